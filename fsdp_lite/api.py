@@ -1,0 +1,152 @@
+"""Public enums and config dataclasses, and the strategy table the engine reads.
+
+Names, members and field defaults mirror ``torch.distributed.fsdp.api`` so that user code written for
+torch FSDP works after changing one import. ``STRATEGY_RULES`` is the one place that says what a
+sharding strategy keeps and how it reduces gradients; the rest of the engine reads from it instead of
+branching on the strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "Rules",
+    "STRATEGY_RULES",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+]
+
+
+class ShardingStrategy(Enum):
+    """What each rank keeps of parameters, gradients and optimizer state (see ``STRATEGY_RULES``)."""
+
+    FULL_SHARD = auto()  # ZeRO-3
+    SHARD_GRAD_OP = auto()  # ZeRO-2
+    NO_SHARD = auto()  # DDP
+    HYBRID_SHARD = auto()
+    _HYBRID_SHARD_ZERO2 = auto()
+
+
+class BackwardPrefetch(Enum):
+    """When the next unit's all-gather is issued during backward."""
+
+    BACKWARD_PRE = auto()  # before this unit's gradient computation
+    BACKWARD_POST = auto()  # after this unit's gradient computation
+
+
+class StateDictType(Enum):
+    FULL_STATE_DICT = auto()
+    LOCAL_STATE_DICT = auto()
+    SHARDED_STATE_DICT = auto()
+
+
+@dataclass
+class CPUOffload:
+    """Whether sharded parameters (and their gradients) live in CPU memory between uses."""
+
+    offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for the unsharded parameters, gradient reduction and buffers (torch FSDP1 meaning)."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (torch.nn.modules.batchnorm._BatchNorm,)
+
+
+@dataclass
+class StateDictConfig:
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    _use_dtensor: bool = False
+
+
+@dataclass
+class OptimStateDictConfig:
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    _use_dtensor: bool = False
+
+
+@dataclass
+class StateDictSettings:
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What one sharding strategy does, as data.
+
+    shard_params: parameters at rest are 1/N shards (otherwise every rank holds them whole).
+    reshard_after_forward: free the unsharded parameters after forward and all-gather again in backward.
+    grad_reduce: the collective that averages gradients across ranks.
+    """
+
+    shard_params: bool
+    reshard_after_forward: bool
+    grad_reduce: str  # "reduce_scatter" | "all_reduce"
+
+
+# ZeRO (arXiv 1910.02054): stage 3 = P_os+g+p, stage 2 = P_os+g; NO_SHARD is plain data parallelism.
+STRATEGY_RULES: dict[ShardingStrategy, Rules] = {
+    ShardingStrategy.FULL_SHARD: Rules(
+        shard_params=True, reshard_after_forward=True, grad_reduce="reduce_scatter"
+    ),
+    ShardingStrategy.SHARD_GRAD_OP: Rules(
+        shard_params=True, reshard_after_forward=False, grad_reduce="reduce_scatter"
+    ),
+    ShardingStrategy.NO_SHARD: Rules(
+        shard_params=False, reshard_after_forward=False, grad_reduce="all_reduce"
+    ),
+}

@@ -1,0 +1,175 @@
+"""Flat-buffer collectives for one unit: all-gather of parameter shards, reduce-scatter and
+all-reduce of gradients, and the factor gradients are divided by.
+
+Each unit packs its parameters into one flat buffer so that it pays for one collective, not one per
+parameter (``copy_in``), and unpacks the result into per-parameter tensors (``copy_out``). This file
+knows only tensors and process groups; which tensors to pass, and when, is unit.py's business. The
+per-parameter functions at the bottom are the plain versions the flat ones are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "AllGatherResult",
+    "ReduceResult",
+    "all_gather",
+    "all_gather_copy_in",
+    "all_gather_copy_out",
+    "all_gather_per_param",
+    "all_reduce",
+    "grad_divide_factor",
+    "reduce_scatter",
+    "reduce_scatter_copy_in",
+    "reduce_scatter_per_param",
+]
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class AllGatherResult:
+    """An all-gather in flight: wait on ``work`` before reading ``all_gather_output``."""
+
+    all_gather_output: torch.Tensor  # 1D, world_size * unit_shard_numel
+    work: dist.Work | None  # None when the collective ran synchronously
+
+
+@dataclass
+class ReduceResult:
+    """A gradient reduction in flight; ``output`` holds this rank's result once ``work`` is done."""
+
+    output: torch.Tensor  # 1D: reduce_scatter_output (unit_shard_numel) or the all-reduced grads
+    input: torch.Tensor  # kept alive until the collective finishes
+    work: dist.Work | None
+
+
+def grad_divide_factor(world_size: int) -> float:
+    """The factor every gradient is multiplied by before the sum-reduction.
+
+    Multiplying by 1/N before summing is what DDP's reducer does, so fp32 gradients match DDP's
+    bitwise wherever the sum runs in the same order (always at 2 ranks).
+    """
+    return 1.0 / world_size
+
+
+def all_gather_copy_in(sharded_flats: list[torch.Tensor], all_gather_input: torch.Tensor) -> None:
+    """Pack each parameter's padded 1D shard, in order, into the unit's ``all_gather_input``."""
+    torch.cat(sharded_flats, out=all_gather_input)
+
+
+def all_gather(
+    all_gather_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> AllGatherResult:
+    """Concatenate every rank's ``all_gather_input`` in rank order.
+
+    2 ranks, one unit of two parameters, shard numels 2 and 1:
+      rank 0 all_gather_input [a0 a1 | b0]    rank 1 all_gather_input [a2 a3 | b1]
+      all_gather_output (both) [a0 a1 b0 a2 a3 b1]
+    """
+    world_size = dist.get_world_size(group)
+    all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
+    work = _all_gather_single(all_gather_output, all_gather_input, group=group, async_op=async_op)
+    return AllGatherResult(all_gather_output, work if async_op else None)
+
+
+def all_gather_copy_out(
+    all_gather_output: torch.Tensor,
+    world_size: int,
+    shard_numels: list[int],
+    padded_unsharded: list[torch.Tensor],
+) -> None:
+    """Unpack ``all_gather_output`` into each parameter's padded 1D unsharded buffer.
+
+    Column block i of the (world_size, unit_shard_numel) view is parameter i's rows on every rank,
+    so it lands, rank-major, in a (world_size, shard_numel_i) view of that parameter's buffer.
+    """
+    gathered = all_gather_output.view(world_size, -1)  # (N, unit_shard_numel)
+    outs = [p.view(world_size, -1) for p in padded_unsharded]  # (N, shard_numel_i)
+    torch.split_with_sizes_copy(gathered, shard_numels, dim=1, out=outs)
+
+
+def reduce_scatter_copy_in(
+    unsharded_grads: list[torch.Tensor], world_size: int, reduce_scatter_input: torch.Tensor
+) -> None:
+    """Pack gradients rank-major: row r of ``reduce_scatter_input`` is rank r's rows of every grad.
+
+    Each grad is cut on dim 0 into ``world_size`` chunks of ceil(dim0 / world_size) rows, the last
+    ones zero-padded, exactly as the parameters were sharded.
+    """
+    rows = reduce_scatter_input.view(world_size, -1)  # (N, unit_shard_numel)
+    if hasattr(torch, "_chunk_cat"):  # one kernel; absent on older torch
+        torch._chunk_cat(unsharded_grads, dim=0, num_chunks=world_size, out=rows)
+        return
+    offset = 0
+    for grad in unsharded_grads:
+        dim0 = grad.size(0)
+        shard_rows = -(-dim0 // world_size)
+        row_numel = grad.numel() // dim0 if dim0 else 0
+        shard_numel = shard_rows * row_numel
+        flat = grad.reshape(dim0, -1) if dim0 else grad.reshape(0, 0)
+        for rank in range(world_size):
+            chunk = flat[rank * shard_rows : (rank + 1) * shard_rows].reshape(-1)
+            dst = rows[rank, offset : offset + shard_numel]
+            dst[: chunk.numel()].copy_(chunk)
+            dst[chunk.numel() :].zero_()  # padding rows must not add noise to the sum
+        offset += shard_numel
+
+
+def reduce_scatter(
+    reduce_scatter_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> ReduceResult:
+    """Sum row r of every rank's (already divided) ``reduce_scatter_input`` onto rank r.
+
+    2 ranks, reduce_scatter of a 4-element gradient:
+      rank 0 reduce_scatter_input [1, 2, 3, 4]    rank 1 reduce_scatter_input [5, 6, 7, 8]
+      rank 0 reduce_scatter_output [6, 8]         rank 1 reduce_scatter_output [10, 12]
+    """
+    world_size = dist.get_world_size(group)
+    output = reduce_scatter_input.new_empty(reduce_scatter_input.numel() // world_size)
+    work = _reduce_scatter_single(
+        output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+    return ReduceResult(output, reduce_scatter_input, work if async_op else None)
+
+
+def all_reduce(
+    flat_grads: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> ReduceResult:
+    """Sum the (already divided) ``flat_grads`` over all ranks, in place.
+
+    2 ranks: rank 0 [1, 2], rank 1 [3, 4] -> both [4, 6].
+    """
+    work = dist.all_reduce(flat_grads, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return ReduceResult(flat_grads, flat_grads, work if async_op else None)
+
+
+# Plain versions: one collective per parameter, no packing. Slow, obviously right; test oracles.
+
+
+def all_gather_per_param(sharded_flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather one parameter's padded 1D shard into its padded 1D unsharded tensor."""
+    world_size = dist.get_world_size(group)
+    chunks = [torch.empty_like(sharded_flat) for _ in range(world_size)]
+    dist.all_gather(chunks, sharded_flat, group=group)
+    return torch.cat(chunks)
+
+
+def reduce_scatter_per_param(unsharded_grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Average one gradient over ranks and return this rank's padded 1D shard of it."""
+    world_size = dist.get_world_size(group)
+    dim0 = unsharded_grad.size(0)
+    shard_rows = -(-dim0 // world_size)
+    padded = unsharded_grad.new_zeros((shard_rows * world_size, *unsharded_grad.shape[1:]))
+    padded[:dim0].copy_(unsharded_grad)
+    padded.mul_(grad_divide_factor(world_size))
+    summed = padded.clone()
+    dist.all_reduce(summed, group=group)
+    rank = dist.get_rank(group)
+    return summed[rank * shard_rows : (rank + 1) * shard_rows].reshape(-1)

@@ -1,0 +1,166 @@
+"""One parameter under sharding: its shard, its padding, its unsharded copy and its gradient shard.
+
+A ``ShardedParam`` is created when a unit is built and lives as long as the wrapper. It owns the
+storage of this rank's shard and of the unsharded copy, and knows which module attributes hold the
+parameter; it does not communicate (unit.py and collectives.py do).
+
+Glossary (variables, trace labels and docs use these words exactly):
+
+  orig_param         the nn.Parameter the user built                      ND, full shape
+  padded_numel       ceil(dim0 / world_size) * world_size * row_numel     int
+  sharded_param      this rank's rows of dim 0, a DTensor Shard(0);       ND, 1/N
+                     what the optimizer steps
+  all_gather_input   the unit's sharded params, copied into one buffer    1D, unit_shard_numel
+  all_gather_output  every rank's all_gather_input, concatenated          1D, N * unit_shard_numel
+  unsharded_param    full-shape tensor copied out of all_gather_output;   ND, full
+                     what forward and backward use
+  unsharded_grad     the gradient autograd leaves on unsharded_param      ND, full
+  reduce_scatter_input  the unit's padded unsharded_grads, rank-major     1D
+  reduce_scatter_output this rank's summed slice; becomes sharded_param.grad   1D, 1/N
+
+Note [Padding]: dim 0 is cut into world_size chunks of ``shard_rows = ceil(dim0 / world_size)`` rows,
+the torch.chunk rule that DTensor's Shard(0) also uses, so the last ranks may hold fewer rows or none.
+Every rank still stores ``shard_numel`` elements (the missing rows are zeros) so that all ranks
+contribute equal-sized pieces to the flat collectives.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["ShardedParam", "free_storage", "alloc_storage"]
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release a tensor's memory but keep the tensor object (autograd still points at it)."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    """Give a freed tensor its memory back (contents undefined until written)."""
+    storage = tensor.untyped_storage()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+class ShardedParam:
+    """One original parameter of a unit, sharded on dim 0 across the unit's process group.
+
+    With ``shard=False`` (NO_SHARD) the parameter stays whole: ``sharded_param`` is the original
+    parameter itself and there is no unsharded copy.
+    """
+
+    orig_size: torch.Size
+    shard_rows: int  # rows of dim 0 each rank stores, padding included
+    local_rows: int  # rows this rank really has (fewer on the last ranks, see Note [Padding])
+    local_numel: int  # local_rows * row_numel: the unpadded part of sharded_flat
+    shard_numel: int  # shard_rows * row_numel: this rank's piece of the flat buffers
+    padded_numel: int  # world_size * shard_numel
+    sharded_flat: torch.Tensor  # 1D, shard_numel, fp32; padding rows stay zero
+    sharded_param: nn.Parameter  # DTensor Shard(0) viewing sharded_flat[:local numel]
+    unsharded_flat: torch.Tensor | None  # 1D, padded_numel; storage freed while resharded
+    unsharded_param: nn.Parameter | None  # full shape, a view of unsharded_flat
+
+    def __init__(
+        self,
+        orig_param: nn.Parameter,
+        locations: list[tuple[nn.Module, str]],
+        fqn: str,
+        mesh: DeviceMesh | None,
+        rank: int,
+        world_size: int,
+        shard: bool,
+    ) -> None:
+        if shard and orig_param.dim() == 0:
+            raise NotImplementedError(
+                f"parameter {fqn!r} is 0-dimensional; sharding on dim 0 needs at least one dim"
+            )
+        self.fqn = fqn
+        self.locations = locations  # every (module, attribute) holding this parameter: tied weights
+        self.requires_grad = orig_param.requires_grad
+        self.orig_size = orig_param.size()
+        self.is_sharded = shard
+        self.world_size = world_size
+        self.rank = rank
+        self.mesh = mesh
+        # Weak, so the full-size original can be freed; still alive only if something outside the
+        # unit holds it, which is how a parameter tied across two units is detected.
+        self.orig_param_ref = weakref.ref(orig_param)
+        if not shard:
+            self.shard_rows = self.local_rows = self.orig_size[0] if orig_param.dim() else 1
+            self.shard_numel = self.padded_numel = self.local_numel = orig_param.numel()
+            self.sharded_param = orig_param
+            self.sharded_flat = orig_param.data.view(-1)
+            self.unsharded_flat = None
+            self.unsharded_param = None
+            return
+
+        dim0 = self.orig_size[0]
+        row_numel = orig_param.numel() // dim0 if dim0 else 0
+        self.shard_rows = -(-dim0 // world_size)
+        self.local_rows = max(0, min(self.shard_rows, dim0 - rank * self.shard_rows))
+        self.shard_numel = self.shard_rows * row_numel
+        self.padded_numel = self.shard_numel * world_size
+
+        data = orig_param.detach()
+        self.sharded_flat = data.new_zeros(self.shard_numel)
+        start = rank * self.shard_rows
+        self.local_numel = self.local_rows * row_numel
+        self.sharded_flat[: self.local_numel].copy_(data[start : start + self.local_rows].reshape(-1))
+        self.sharded_param = nn.Parameter(
+            self._to_dtensor(self.sharded_flat[: self.local_numel]), requires_grad=self.requires_grad
+        )
+
+        self.unsharded_flat = data.new_empty(self.padded_numel)
+        self.unsharded_param = nn.Parameter(
+            self.unsharded_flat[: orig_param.numel()].view(self.orig_size),
+            requires_grad=self.requires_grad,
+        )
+        free_storage(self.unsharded_flat)
+
+    def _to_dtensor(self, local_flat: torch.Tensor) -> DTensor:
+        local = local_flat.view(self.local_rows, *self.orig_size[1:])  # (local_rows, *rest)
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=self.orig_size,
+            stride=torch.empty(self.orig_size, device="meta").stride(),
+        )
+
+    def alloc_unsharded(self) -> None:
+        alloc_storage(self.unsharded_flat, self.padded_numel * self.unsharded_flat.element_size())
+
+    def free_unsharded(self) -> None:
+        free_storage(self.unsharded_flat)
+
+    def point_modules_to(self, param: nn.Parameter) -> None:
+        """Make every module attribute that holds this parameter hold ``param``."""
+        for module, name in self.locations:
+            # Writing _parameters directly: setattr would reject a non-Parameter and run hooks.
+            module._parameters[name] = param
+
+    def set_sharded_grad(self, reduce_scatter_output_slice: torch.Tensor) -> None:
+        """Turn this parameter's slice of ``reduce_scatter_output`` into ``sharded_param.grad``.
+
+        A gradient already there (accumulation across backwards without ``no_sync``) is added to.
+        """
+        grad = self._to_dtensor(reduce_scatter_output_slice[: self.local_numel])
+        if self.sharded_param.grad is None:
+            self.sharded_param.grad = grad
+        else:
+            self.sharded_param.grad += grad
+
+    def writeback(self) -> None:
+        """Copy this rank's rows of ``unsharded_param`` into the shard (after summon_full_params)."""
+        start = self.rank * self.shard_rows
+        rows = self.unsharded_param.detach()[start : start + self.local_rows]
+        self.sharded_flat[: self.local_numel].copy_(rows.reshape(-1))

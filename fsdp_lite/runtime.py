@@ -1,0 +1,130 @@
+"""The schedule of a training step: which unit unshards, reshards and reduces when.
+
+One ``StepRuntime`` serves a root wrapper and all units under it. The wrapper's forward calls
+``pre_forward`` and ``post_forward``; ``post_forward`` registers ``pre_backward`` on the outputs; the
+grad hooks of each parameter call ``on_grad_ready``, which runs ``post_backward`` once a unit's
+gradients are all in; the autograd engine's final callback runs ``finalize_backward``. The units do
+the work (unit.py); this file only orders it.
+
+Note [Post-backward by gradient count]: a unit reduces as soon as every trainable parameter's
+gradient has been accumulated (``register_post_accumulate_grad_hook`` fires once per backward even
+for a parameter used twice, because autograd sums into one AccumulateGrad call). Parameters unused in
+this forward never fire; ``finalize_backward`` reduces their units at the end, in unit order, so
+every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from fsdp_lite.api import BackwardPrefetch
+from fsdp_lite.unit import ShardedState, ShardedUnit, TrainingState
+
+__all__ = ["StepRuntime"]
+
+
+class StepRuntime:
+    """Per-step scheduling for one root and its units; built at the root's first forward."""
+
+    def __init__(
+        self,
+        units: list[ShardedUnit],
+        backward_prefetch: BackwardPrefetch | None,
+        forward_prefetch: bool,
+    ) -> None:
+        self.units = units  # children before parents: the order ranks agree on at finalize
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.forward_order: list[ShardedUnit] = []  # pre_forward order of the first step
+        self._recording_order = True
+        self._callback_queued = False
+        self.sync_grads = True  # False inside no_sync(): keep unsharded grads, skip reduction
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def pre_forward(self, unit: ShardedUnit) -> None:
+        unit.assert_state(TrainingState.IDLE)
+        if self._recording_order and unit not in self.forward_order:
+            self.forward_order.append(unit)
+        unit.training_state = TrainingState.FORWARD
+        unit.unshard("forward")
+        unit.wait_for_unshard()
+        if self.forward_prefetch:
+            self._prefetch(unit, step=+1, phase="forward")
+
+    def post_forward(self, unit: ShardedUnit, output):
+        unit.assert_state(TrainingState.FORWARD)
+        grad_enabled = torch.is_grad_enabled()
+        # The root's params are needed first thing in backward, so it keeps them (as torch does).
+        if not grad_enabled or (unit.rules.reshard_after_forward and not unit.is_root):
+            unit.reshard()
+        unit.training_state = TrainingState.IDLE
+        if grad_enabled:
+            self._register_pre_backward(unit, output)
+        return output
+
+    # ---- backward ----------------------------------------------------------------------------
+
+    def _register_pre_backward(self, unit: ShardedUnit, output) -> None:
+        tensors, _ = tree_flatten(output)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
+
+    def pre_backward(self, unit: ShardedUnit) -> None:
+        if unit.ran_pre_backward:  # another output of the same unit already triggered it
+            return
+        unit.assert_state(TrainingState.IDLE)
+        unit.ran_pre_backward = True
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self.finalize_backward)
+            self._callback_queued = True
+        unit.training_state = TrainingState.BACKWARD
+        unit.unshard("backward")
+        unit.wait_for_unshard()
+        if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch(unit, step=-1, phase="backward")
+
+    def on_grad_ready(self, unit: ShardedUnit) -> None:
+        """Called once per trainable parameter per backward; see Note [Post-backward by gradient count]."""
+        if unit.training_state == TrainingState.SUMMON:
+            return
+        unit.num_grads_ready += 1
+        if unit.num_grads_ready == len(unit.trainable):
+            self.post_backward(unit)
+
+    def post_backward(self, unit: ShardedUnit) -> None:
+        if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+            self._prefetch(unit, step=-1, phase="backward")
+        if self.sync_grads:
+            unit.reduce_grads()
+        unit.reshard()
+        unit.training_state = TrainingState.IDLE
+
+    def finalize_backward(self) -> None:
+        """End of backward: reduce what the hooks could not, land every gradient, reshard all."""
+        for unit in self.units:
+            needs_reduce = unit.ran_pre_backward or unit.num_grads_ready > 0
+            if self.sync_grads and needs_reduce and not unit.reduced:
+                unit.reduce_grads()
+        for unit in self.units:
+            unit.finish_reduce()
+            if unit.rules.shard_params:
+                unit.reshard()
+            unit.reset_backward()
+        self._callback_queued = False
+        self._recording_order = False
+
+    # ---- prefetch ----------------------------------------------------------------------------
+
+    def _prefetch(self, unit: ShardedUnit, step: int, phase: str) -> None:
+        """Start the all-gather of the unit that runs next (step +1 in forward, -1 in backward)."""
+        if unit not in self.forward_order:
+            return
+        index = self.forward_order.index(unit) + step
+        if 0 <= index < len(self.forward_order):
+            target = self.forward_order[index]
+            if target.state == ShardedState.SHARDED:
+                target.unshard(phase, async_op=True)

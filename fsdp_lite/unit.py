@@ -1,0 +1,203 @@
+"""One unit: the parameters of one wrapped module, and their state machine.
+
+A unit moves its parameters between the sharded and the unsharded copy (``unshard``,
+``wait_for_unshard``, ``reshard``) and averages their gradients (``reduce_grads``,
+``finish_reduce``), one flat collective each. It decides nothing about *when*: runtime.py calls it
+from the hooks. Only ``_to_sharded`` and ``_to_unsharded`` change ``ShardedState``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+
+from fsdp_lite import collectives
+from fsdp_lite.api import Rules
+from fsdp_lite.collectives import AllGatherResult, ReduceResult
+from fsdp_lite.param import ShardedParam
+
+__all__ = ["ShardedState", "ShardedUnit", "TrainingState"]
+
+
+class ShardedState(Enum):
+    """Which copy of a unit's parameters the module sees, and what is allocated."""
+
+    SHARDED = auto()  # only the 1/N shards are allocated; modules hold sharded_param
+    UNSHARDED = auto()  # unsharded params are allocated too; modules hold unsharded_param
+
+
+class TrainingState(Enum):
+    """Where in the step a unit is; hooks assert it so that one firing out of order names the unit."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()  # between this unit's pre_backward and its post_backward
+    SUMMON = auto()  # inside summon_full_params
+
+
+class ShardedUnit:
+    """The sharded parameters of one wrapped module; lives as long as its wrapper."""
+
+    name: str  # the wrapped module's path from the root, "" for the root; set at lazy init
+    params: list[ShardedParam]  # all managed params, in registration order
+    trainable: list[ShardedParam]  # the ones with requires_grad, in the same order
+    unit_shard_numel: int  # sum of shard_numel over params: this rank's all_gather_input
+    trace: object | None  # a trace.CollectiveTrace while one records, else None
+
+    def __init__(self, params: list[ShardedParam], group: dist.ProcessGroup, rules: Rules) -> None:
+        self.name = ""
+        self.params = params
+        self.trainable = [p for p in params if p.requires_grad]
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.rules = rules
+        self.is_root = False
+        self.trace = None
+        self.shard_numels = [p.shard_numel for p in params]
+        self.unit_shard_numel = sum(self.shard_numels)
+
+        self.state = ShardedState.SHARDED if rules.shard_params else ShardedState.UNSHARDED
+        self.training_state = TrainingState.IDLE
+        self._all_gather: AllGatherResult | None = None  # an unshard in flight
+        self._pending_reduce: tuple[ReduceResult, list[bool]] | None = None
+        # Per-backward bookkeeping, reset by reset_backward().
+        self.num_grads_ready = 0
+        self.ran_pre_backward = False
+        self.reduced = False
+
+    def __repr__(self) -> str:
+        return f"ShardedUnit({self.name or '<root>'!r}, {len(self.params)} params)"
+
+    def assert_state(self, *allowed: TrainingState) -> None:
+        if self.training_state not in allowed:
+            names = " or ".join(s.name for s in allowed)
+            raise AssertionError(
+                f"unit {self.name or '<root>'!r}: expected training state {names}, "
+                f"got {self.training_state.name}"
+            )
+
+    # ---- unshard / reshard -------------------------------------------------------------------
+
+    def unshard(self, phase: str, async_op: bool = False) -> None:
+        """Start the all-gather of this unit's shards; ``wait_for_unshard`` finishes it."""
+        if not self.params or self.state == ShardedState.UNSHARDED or self._all_gather is not None:
+            return  # nothing to gather, already unsharded, or prefetched
+        all_gather_input = torch.empty(
+            self.unit_shard_numel,
+            dtype=self.params[0].sharded_flat.dtype,
+            device=self.params[0].sharded_flat.device,
+        )  # 1D, unit_shard_numel
+        collectives.all_gather_copy_in([p.sharded_flat for p in self.params], all_gather_input)
+        for p in self.params:
+            p.alloc_unsharded()
+        self._record("all_gather", phase, all_gather_input)
+        self._all_gather = collectives.all_gather(all_gather_input, self.group, async_op=async_op)
+
+    def wait_for_unshard(self) -> None:
+        result, self._all_gather = self._all_gather, None
+        if result is None:
+            return
+        if result.work is not None:
+            result.work.wait()
+        with contextlib.ExitStack() as stack, torch.no_grad():
+            # The copy writes into tensors autograd saved in forward; their contents are the same
+            # values again, so keep the version counters that would otherwise fail the backward.
+            for p in self.params:
+                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(p.unsharded_param))
+            collectives.all_gather_copy_out(
+                result.all_gather_output,
+                self.world_size,
+                self.shard_numels,
+                [p.unsharded_flat for p in self.params],
+            )
+        self._to_unsharded()
+
+    def reshard(self) -> None:
+        if self._all_gather is not None:  # a prefetch nobody used: finish it so buffers can go
+            self.wait_for_unshard()
+        if self.state == ShardedState.UNSHARDED and self.rules.shard_params:
+            self._to_sharded()
+
+    def _to_unsharded(self) -> None:
+        for p in self.params:
+            p.point_modules_to(p.unsharded_param)
+        self.state = ShardedState.UNSHARDED
+
+    def _to_sharded(self) -> None:
+        for p in self.params:
+            p.free_unsharded()
+            p.point_modules_to(p.sharded_param)
+        self.state = ShardedState.SHARDED
+
+    # ---- gradients ---------------------------------------------------------------------------
+
+    def unsharded_grads(self) -> list[torch.Tensor | None]:
+        """The gradient autograd left on each trainable parameter's unsharded (or only) copy."""
+        if self.rules.shard_params:
+            return [p.unsharded_param.grad for p in self.trainable]
+        return [p.sharded_param.grad for p in self.trainable]
+
+    def reduce_grads(self) -> None:
+        """Start averaging this backward's gradients over ranks; ``finish_reduce`` lands them.
+
+        A trainable parameter without a gradient (unused in this forward) contributes zeros, so
+        every rank joins the same collective; it only gets a gradient if it had one here.
+        """
+        if not self.trainable:
+            return
+        grads = self.unsharded_grads()
+        had_grad = [g is not None for g in grads]
+        filled = [
+            g if g is not None else p.sharded_flat.new_zeros(p.orig_size)
+            for g, p in zip(grads, self.trainable)
+        ]
+        factor = collectives.grad_divide_factor(self.world_size)
+        if self.rules.grad_reduce == "reduce_scatter":
+            numel = sum(p.shard_numel for p in self.trainable)
+            reduce_scatter_input = filled[0].new_empty(self.world_size * numel)  # 1D, N * numel
+            collectives.reduce_scatter_copy_in(filled, self.world_size, reduce_scatter_input)
+            # DDP multiplies by 1/N before its sum; doing the same keeps fp32 grads bitwise equal.
+            reduce_scatter_input.mul_(factor)
+            self._record("reduce_scatter", "backward", reduce_scatter_input)
+            result = collectives.reduce_scatter(reduce_scatter_input, self.group, async_op=True)
+            for p in self.trainable:
+                p.unsharded_param.grad = None  # its data now lives in reduce_scatter_input
+        else:
+            flat_grads = torch.cat([g.reshape(-1) for g in filled]).mul_(factor)  # 1D, sum numel
+            self._record("all_reduce", "backward", flat_grads)
+            result = collectives.all_reduce(flat_grads, self.group, async_op=True)
+        self._pending_reduce = (result, had_grad)
+        self.reduced = True
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction and write each parameter's averaged gradient."""
+        pending, self._pending_reduce = self._pending_reduce, None
+        if pending is None:
+            return
+        result, had_grad = pending
+        if result.work is not None:
+            result.work.wait()
+        offset = 0
+        for p, has in zip(self.trainable, had_grad):
+            numel = p.shard_numel
+            if has:
+                piece = result.output[offset : offset + numel]
+                if self.rules.shard_params:
+                    p.set_sharded_grad(piece)
+                else:
+                    p.sharded_param.grad.copy_(piece.view(p.orig_size))
+            offset += numel
+
+    def reset_backward(self) -> None:
+        self.num_grads_ready = 0
+        self.ran_pre_backward = False
+        self.reduced = False
+        self.training_state = TrainingState.IDLE
+
+    def _record(self, kind: str, phase: str, tensor: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.record(kind=kind, unit=self.name, phase=phase, tensor=tensor)
