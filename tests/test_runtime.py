@@ -1,0 +1,126 @@
+"""The schedule: which collectives each strategy issues per step, and when memory is freed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_lite import BackwardPrefetch, ShardingStrategy
+from fsdp_lite import FullyShardedDataParallel as FSDP
+from fsdp_lite.trace import record_collectives
+from fsdp_lite.unit import ShardedState
+from tests.parity import POLICIES, build_model, loss_fn, rank_batch
+from tests.ranks import run_ranks
+
+
+def _schedule_rank(rank: int, world_size: int, strategy_name: str, prefetch_name: str) -> dict:
+    strategy = ShardingStrategy[strategy_name]
+    prefetch = BackwardPrefetch[prefetch_name] if prefetch_name != "NONE" else None
+    model = FSDP(
+        build_model("lm"),
+        sharding_strategy=strategy,
+        auto_wrap_policy=POLICIES["lm"],
+        backward_prefetch=prefetch,
+    )
+    wrappers = FSDP.fsdp_modules(model)
+    units = [w._unit for w in wrappers]
+    x, y = rank_batch("lm", 0, rank, world_size)
+    loss_fn("lm", model(x), y).backward()  # first step records the order; trace the second
+    with record_collectives(model) as trace:
+        loss_fn("lm", model(x), y).backward()
+    counts = {
+        (r.kind, r.phase): sum(1 for s in trace.records if (s.kind, s.phase) == (r.kind, r.phase))
+        for r in trace.records
+    }
+    per_unit = {}
+    for r in trace.records:
+        per_unit.setdefault((r.kind, r.phase, r.unit), 0)
+        per_unit[(r.kind, r.phase, r.unit)] += 1
+    return {
+        "num_units": len(units),
+        "counts": counts,
+        "per_unit": per_unit,
+        "reduce_dtypes": {r.dtype for r in trace.records if r.kind != "all_gather"},
+    }
+
+
+@pytest.mark.parametrize("prefetch_name", ["BACKWARD_PRE", "BACKWARD_POST", "NONE"])
+def test_full_shard_gathers_once_per_unit_each_way_and_reduce_scatters_once(tmp_path, prefetch_name):
+    result = run_ranks(_schedule_rank, 2, tmp_path, args=("FULL_SHARD", prefetch_name))[0]
+    num_units = result["num_units"]  # root + 2 blocks
+    counts = result["counts"]
+    assert counts[("all_gather", "forward")] == num_units, counts
+    # The root keeps its parameters from forward into backward, as torch FSDP does.
+    assert counts[("all_gather", "backward")] == num_units - 1, counts
+    assert counts[("reduce_scatter", "backward")] == num_units, counts
+    assert ("all_reduce", "backward") not in counts, counts
+    assert all(n == 1 for n in result["per_unit"].values()), result["per_unit"]
+    assert result["reduce_dtypes"] == {torch.float32}
+
+
+def test_shard_grad_op_never_gathers_in_backward(tmp_path):
+    result = run_ranks(_schedule_rank, 2, tmp_path, args=("SHARD_GRAD_OP", "BACKWARD_PRE"))[0]
+    counts = result["counts"]
+    assert counts[("all_gather", "forward")] == result["num_units"], counts
+    assert ("all_gather", "backward") not in counts, counts
+    assert counts[("reduce_scatter", "backward")] == result["num_units"], counts
+
+
+def test_no_shard_only_all_reduces(tmp_path):
+    result = run_ranks(_schedule_rank, 2, tmp_path, args=("NO_SHARD", "BACKWARD_PRE"))[0]
+    assert set(result["counts"]) == {("all_reduce", "backward")}, result["counts"]
+    assert result["counts"][("all_reduce", "backward")] == result["num_units"]
+
+
+def _memory_after_forward_rank(rank: int, world_size: int, strategy_name: str) -> dict:
+    model = FSDP(
+        build_model("lm"),
+        sharding_strategy=ShardingStrategy[strategy_name],
+        auto_wrap_policy=POLICIES["lm"],
+    )
+    seen = {}
+
+    def after_forward(wrapper, args, output):
+        unit = wrapper._unit
+        seen[unit.name] = (
+            unit.state.name,
+            sum(p.unsharded_flat.untyped_storage().nbytes() for p in unit.params),
+            # what the wrapped modules hold right now: the shards, or the unsharded params
+            all(
+                m._parameters[n] is p.sharded_param for p in unit.params for m, n in p.locations
+            ),
+        )
+
+    for w in FSDP.fsdp_modules(model):
+        w.register_forward_hook(after_forward)
+    x, y = rank_batch("lm", 0, rank, world_size)
+    loss = loss_fn("lm", model(x), y)
+    after_backward_ready = dict(seen)
+    loss.backward()
+    at_rest = {
+        w._unit.name: (
+            w._unit.state.name,
+            sum(p.unsharded_flat.untyped_storage().nbytes() for p in w._unit.params),
+        )
+        for w in FSDP.fsdp_modules(model)
+    }
+    return {"after_forward": after_backward_ready, "at_rest": at_rest}
+
+
+def test_full_shard_frees_unsharded_params_after_forward(tmp_path):
+    result = run_ranks(_memory_after_forward_rank, 2, tmp_path, args=("FULL_SHARD",))[0]
+    for name, (state, nbytes, holds_shards) in result["after_forward"].items():
+        if name == "":  # the root keeps its parameters for backward
+            assert state == ShardedState.UNSHARDED.name, result
+            continue
+        assert (state, nbytes, holds_shards) == ("SHARDED", 0, True), (name, result)
+    for name, (state, nbytes) in result["at_rest"].items():
+        assert (state, nbytes) == ("SHARDED", 0), (name, result)
+
+
+def test_shard_grad_op_keeps_unsharded_params_until_backward(tmp_path):
+    result = run_ranks(_memory_after_forward_rank, 2, tmp_path, args=("SHARD_GRAD_OP",))[0]
+    for name, (state, nbytes, holds_shards) in result["after_forward"].items():
+        assert state == "UNSHARDED" and nbytes > 0 and not holds_shards, (name, result)
+    for name, (state, nbytes) in result["at_rest"].items():
+        assert (state, nbytes) == ("SHARDED", 0), (name, result)
