@@ -74,7 +74,9 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
-    _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (torch.nn.modules.batchnorm._BatchNorm,)
+    _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (
+        torch.nn.modules.batchnorm._BatchNorm,
+    )
 
 
 @dataclass

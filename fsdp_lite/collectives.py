@@ -161,7 +161,9 @@ def all_gather_per_param(sharded_flat: torch.Tensor, group: dist.ProcessGroup) -
     return torch.cat(chunks)
 
 
-def reduce_scatter_per_param(unsharded_grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def reduce_scatter_per_param(
+    unsharded_grad: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
     """Average one gradient over ranks and return this rank's padded 1D shard of it."""
     world_size = dist.get_world_size(group)
     dim0 = unsharded_grad.size(0)

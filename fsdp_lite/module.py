@@ -312,7 +312,9 @@ class FullyShardedModule(nn.Module):
 
     # ---- names and state dicts -----------------------------------------------------------------
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ):
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
             yield _clean_name(name), param
 
@@ -334,7 +336,10 @@ class FullyShardedModule(nn.Module):
             }
             full = super().state_dict(*args, **kwargs)
             for key, value in full.items():
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in gathered:
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.untyped_storage().data_ptr() in gathered
+                ):
                     full[key] = value.detach().clone()  # the unsharded storage is freed on exit
         return full
 
@@ -372,7 +377,9 @@ def _check_type(name: str, value: Any, types: type | tuple, allow_none: bool = T
     if value is None and allow_none:
         return
     if not isinstance(value, types):
-        expected = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        expected = " or ".join(
+            t.__name__ for t in (types if isinstance(types, tuple) else (types,))
+        )
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__}: {value!r}")
 
 
@@ -390,7 +397,9 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         )
     _check_type("cpu_offload", kw["cpu_offload"], CPUOffload)
     if kw["cpu_offload"] is not None and kw["cpu_offload"].offload_params:
-        raise NotImplementedError("cpu_offload=CPUOffload(offload_params=True) is not built yet (#5)")
+        raise NotImplementedError(
+            "cpu_offload=CPUOffload(offload_params=True) is not built yet (#5)"
+        )
     _check_type("mixed_precision", kw["mixed_precision"], MixedPrecision)
     if kw["mixed_precision"] is not None:
         raise NotImplementedError("mixed_precision is not built yet (issue #4)")
@@ -406,11 +415,15 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
     for flag in ("sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params"):
         _check_type(flag, kw[flag], bool, allow_none=False)
     if any(p.is_meta for p in module.parameters()):
-        raise NotImplementedError("modules with parameters on the meta device are not built yet (#5)")
+        raise NotImplementedError(
+            "modules with parameters on the meta device are not built yet (#5)"
+        )
 
     group, mesh_given = kw["process_group"], kw["device_mesh"]
     if isinstance(group, tuple):
-        raise NotImplementedError("process_group=(shard, replicate) for HYBRID_SHARD is not built yet (#5)")
+        raise NotImplementedError(
+            "process_group=(shard, replicate) for HYBRID_SHARD is not built yet (#5)"
+        )
     _check_type("process_group", group, dist.ProcessGroup)
     _check_type("device_mesh", mesh_given, DeviceMesh)
     if group is not None and mesh_given is not None:
@@ -454,12 +467,16 @@ def _apply_overrides(
 ) -> UnitConfig:
     """A nested wrapper's config: the root's, with what a CustomPolicy asked to change."""
     if mixed_precision is not None or (cpu_offload is not None and cpu_offload.offload_params):
-        raise NotImplementedError("per-unit mixed_precision / cpu_offload are not built yet (#4, #5)")
+        raise NotImplementedError(
+            "per-unit mixed_precision / cpu_offload are not built yet (#4, #5)"
+        )
     if sharding_strategy is None or sharding_strategy == config.strategy:
         return config
     _check_type("sharding_strategy", sharding_strategy, ShardingStrategy)
     if sharding_strategy not in STRATEGY_RULES:
-        raise NotImplementedError(f"sharding_strategy={sharding_strategy.name} is not built yet (#5)")
+        raise NotImplementedError(
+            f"sharding_strategy={sharding_strategy.name} is not built yet (#5)"
+        )
     return dataclasses.replace(
         config, strategy=sharding_strategy, rules=STRATEGY_RULES[sharding_strategy]
     )
@@ -646,7 +663,9 @@ def _gather_grads(unit: ShardedUnit) -> None:
     all_gather_input = torch.cat(flats)  # 1D, unit_shard_numel
     result = collectives.all_gather(all_gather_input, unit.group)
     padded = [p.sharded_flat.new_empty(p.padded_numel) for p in unit.params]
-    collectives.all_gather_copy_out(result.all_gather_output, unit.world_size, unit.shard_numels, padded)
+    collectives.all_gather_copy_out(
+        result.all_gather_output, unit.world_size, unit.shard_numels, padded
+    )
     for p, full in zip(unit.params, padded):
         if p.sharded_param.grad is not None:
             p.unsharded_param.grad = full[: math.prod(p.orig_size)].view(p.orig_size)
@@ -668,7 +687,9 @@ def _offload_full_params(units: list[ShardedUnit], stack: contextlib.ExitStack) 
             stack.callback(copy_back)
 
 
-def _partial_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+def _partial_norm(
+    grads: list[torch.Tensor], norm_type: float, device: torch.device
+) -> torch.Tensor:
     """sum(|g|^p) over ``grads`` (max |g| for the inf-norm), as a float32 scalar on ``device``."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)

@@ -113,9 +113,12 @@ class ShardedParam:
         self.sharded_flat = data.new_zeros(self.shard_numel)
         start = rank * self.shard_rows
         self.local_numel = self.local_rows * row_numel
-        self.sharded_flat[: self.local_numel].copy_(data[start : start + self.local_rows].reshape(-1))
+        self.sharded_flat[: self.local_numel].copy_(
+            data[start : start + self.local_rows].reshape(-1)
+        )
         self.sharded_param = nn.Parameter(
-            self._to_dtensor(self.sharded_flat[: self.local_numel]), requires_grad=self.requires_grad
+            self._to_dtensor(self.sharded_flat[: self.local_numel]),
+            requires_grad=self.requires_grad,
         )
 
         self.unsharded_flat = data.new_empty(self.padded_numel)

@@ -107,7 +107,9 @@ class ShardedUnit:
             # The copy writes into tensors autograd saved in forward; their contents are the same
             # values again, so keep the version counters that would otherwise fail the backward.
             for p in self.params:
-                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(p.unsharded_param))
+                stack.enter_context(
+                    torch.autograd._unsafe_preserve_version_counter(p.unsharded_param)
+                )
             collectives.all_gather_copy_out(
                 result.all_gather_output,
                 self.world_size,

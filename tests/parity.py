@@ -59,9 +59,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_close(actual, expected, *, what: str, rtol: float, atol: float) -> None:
-    torch.testing.assert_close(
-        actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}"
-    )
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def build_model(model_name: str) -> nn.Module:

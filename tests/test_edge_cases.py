@@ -47,8 +47,10 @@ def _own_unit(module: nn.Module) -> bool:
 
 def _quirky_batch(rank: int, step: int):
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randint(0, 11, (6,), generator=g), torch.randn(6, 5, generator=g), torch.randint(
-        0, 11, (6,), generator=g
+    return (
+        torch.randint(0, 11, (6,), generator=g),
+        torch.randn(6, 5, generator=g),
+        torch.randint(0, 11, (6,), generator=g),
     )
 
 
@@ -75,7 +77,7 @@ def _quirky_rank(rank: int, world_size: int, strategy_name: str) -> None:
     tol = TOLERANCE[world_size]
     for step in range(3):
         idx, x, target = _quirky_batch(rank, step)
-        for model, optim in ((ddp, opt_ref), (fsdp, opt)):
+        for model in (ddp, fsdp):
             nn.functional.cross_entropy(model(idx, x), target).backward()
         for name, p in fsdp.named_parameters():
             want = ref[name].grad
@@ -117,7 +119,10 @@ def _tied_across_units_rank(rank: int, world_size: int) -> None:
     model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
     model[1].weight = model[0].weight
     with pytest.raises(ValueError, match="is shared with a nested unit"):
-        FSDP(model, auto_wrap_policy=lambda module, recurse, **kw: recurse or isinstance(module, nn.Linear))
+        FSDP(
+            model,
+            auto_wrap_policy=lambda module, recurse, **kw: recurse or isinstance(module, nn.Linear),
+        )
 
 
 OPTIMIZERS = {
@@ -147,8 +152,11 @@ def _optimizers_rank(rank: int, world_size: int) -> None:
             for name, p in fsdp.named_parameters():
                 what = f"{opt_name} step {step} param {name}"
                 assert_close(
-                    local(p).detach(), shard_of(ref[name].detach(), rank, world_size),
-                    what=what, rtol=0.0, atol=0.0,
+                    local(p).detach(),
+                    shard_of(ref[name].detach(), rank, world_size),
+                    what=what,
+                    rtol=0.0,
+                    atol=0.0,
                 )
 
 

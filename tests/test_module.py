@@ -127,7 +127,9 @@ def test_bad_input_raises_clear_error_before_any_collective(bad_input_results, c
 def _mismatch_rank(rank: int, world_size: int, kind: str) -> str:
     torch.manual_seed(0)
     if kind == "shape":
-        model = nn.Sequential(nn.Linear(4, 8 if rank == 0 else 9), nn.Linear(8 if rank == 0 else 9, 2))
+        model = nn.Sequential(
+            nn.Linear(4, 8 if rank == 0 else 9), nn.Linear(8 if rank == 0 else 9, 2)
+        )
     elif kind == "count":
         layers = [nn.Linear(4, 4) for _ in range(2 if rank == 0 else 3)]
         model = nn.Sequential(*layers)
@@ -143,7 +145,10 @@ def _mismatch_rank(rank: int, world_size: int, kind: str) -> str:
 @pytest.mark.parametrize(
     "kind, expected",
     [
-        ("shape", "parameter '0.weight' is (8, 4) torch.float32 on rank 0 but '0.weight' is (9, 4)"),
+        (
+            "shape",
+            "parameter '0.weight' is (8, 4) torch.float32 on rank 0 but '0.weight' is (9, 4)",
+        ),
         ("count", "rank 0 has 4 parameters, rank 1 has 6"),
         ("dtype", "torch.float32 on rank 0 but '0.weight' is (4, 4) torch.float64 on rank 1"),
     ],
@@ -229,8 +234,10 @@ def _check_summon_full_params(rank, world_size, strategy_name):
         assert (local(p) == 3.0).all(), f"{strategy_name} writeback lost for {name}"
     # rank0_only: only rank 0 sees full shapes
     with FSDP.summon_full_params(fsdp, rank0_only=True, writeback=False):
-        full = all(p.shape == want[n].shape and not hasattr(p, "to_local")
-                   for n, p in fsdp.named_parameters())
+        full = all(
+            p.shape == want[n].shape and not hasattr(p, "to_local")
+            for n, p in fsdp.named_parameters()
+        )
         assert full == (rank == 0 or strategy_name == "NO_SHARD"), f"rank0_only on rank {rank}"
     with FSDP.summon_full_params(fsdp, offload_to_cpu=True, writeback=False):
         assert all(p.device.type == "cpu" for p in fsdp.parameters())

@@ -49,9 +49,7 @@ def _parity_rank(rank: int, world_size: int, strategy_name: str, model_name: str
     )
     single = build_model(model_name)
     models = {"ddp": ddp, "fsdp": fsdp, "single": single}
-    optims = {
-        k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in models.items()
-    }
+    optims = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in models.items()}
     ddp_params = dict(ddp.module.named_parameters())
     single_params = dict(single.named_parameters())
     fsdp_params = dict(fsdp.named_parameters())
@@ -86,7 +84,10 @@ def _parity_rank(rank: int, world_size: int, strategy_name: str, model_name: str
         mean_loss = losses["fsdp"].detach().clone()
         dist.all_reduce(mean_loss)
         assert_close(
-            mean_loss / world_size, losses["single"].detach(), what=f"step {step} mean loss", **loose
+            mean_loss / world_size,
+            losses["single"].detach(),
+            what=f"step {step} mean loss",
+            **loose,
         )
         for name, p in fsdp_params.items():
             assert p.grad is not None, f"step {step}: {name!r} has no gradient"
@@ -102,7 +103,9 @@ def _parity_rank(rank: int, world_size: int, strategy_name: str, model_name: str
 @pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"ws{w}")
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("strategy_name", STRATEGIES)
-def test_training_steps_match_ddp_and_single_process(tmp_path, strategy_name, model_name, world_size):
+def test_training_steps_match_ddp_and_single_process(
+    tmp_path, strategy_name, model_name, world_size
+):
     worst = run_ranks(
         _parity_rank, world_size, tmp_path, args=(strategy_name, model_name), timeout=180
     )

@@ -45,7 +45,9 @@ def _schedule_rank(rank: int, world_size: int, strategy_name: str, prefetch_name
 
 
 @pytest.mark.parametrize("prefetch_name", ["BACKWARD_PRE", "BACKWARD_POST", "NONE"])
-def test_full_shard_gathers_once_per_unit_each_way_and_reduce_scatters_once(tmp_path, prefetch_name):
+def test_full_shard_gathers_once_per_unit_each_way_and_reduce_scatters_once(
+    tmp_path, prefetch_name
+):
     result = run_ranks(_schedule_rank, 2, tmp_path, args=("FULL_SHARD", prefetch_name))[0]
     num_units = result["num_units"]  # root + 2 blocks
     counts = result["counts"]
@@ -86,9 +88,7 @@ def _memory_after_forward_rank(rank: int, world_size: int, strategy_name: str) -
             unit.state.name,
             sum(p.unsharded_flat.untyped_storage().nbytes() for p in unit.params),
             # what the wrapped modules hold right now: the shards, or the unsharded params
-            all(
-                m._parameters[n] is p.sharded_param for p in unit.params for m, n in p.locations
-            ),
+            all(m._parameters[n] is p.sharded_param for p in unit.params for m, n in p.locations),
         )
 
     for w in FSDP.fsdp_modules(model):

@@ -1,0 +1,190 @@
+"""The one multi-process launcher for tests: run a function on N gloo ranks and collect results.
+
+Each rank is a new process, forked from a clean forkserver that has imported torch and nothing of the
+test, so `fn` is pickled by name as under "spawn". It joins a gloo process group through a file
+rendezvous in the test's tmp_path (no TCP ports), runs `fn(rank, world_size, *args)` and sends back
+the return value.
+The parent turns the first failure, hang or silent death into one AssertionError that names the rank,
+and always kills and reaps every rank before returning.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import signal
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from multiprocessing import get_context
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+# "forkserver", not "spawn": the server pays `import torch` once per pytest session, and a 2-rank
+# launch drops from ~3.5 s to ~0.5 s on 2 cores. Children still start from a process that never ran
+# test code, so the rules are spawn's: fn is module-level, args and results pickle. Unlike spawn,
+# os.environ changes made after the first launch don't reach the ranks, and ranks write to the
+# stdout/stderr the server was started with: pytest's session-wide capture (shown per test), never a
+# test's capfd.
+_START_METHOD = "forkserver"
+_PRELOAD = ["torch", "torch.distributed"]
+
+# A hung rank is sent this signal before it is killed, so its Python stack lands in captured stderr.
+_DUMP_STACK_SIGNAL = signal.SIGUSR1
+
+
+class RankFailure(AssertionError):
+    """A rank raised, or exited without reporting a result."""
+
+
+class RankTimeout(AssertionError):
+    """Some ranks were still running when run_ranks' timeout ran out."""
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp_path: str | os.PathLike,
+    *,
+    timeout: float = 120.0,
+    args: tuple = (),
+) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks, each in its own process.
+
+    Args:
+        fn: a module-level function (each rank imports it by name); its return value must
+            pickle.
+        world_size: number of ranks.
+        tmp_path: a directory for the file rendezvous, usually pytest's `tmp_path`.
+        timeout: seconds for the whole run, process start-up included (the first call of a
+            session starts the forkserver and imports torch: about 3 s). Default 120.
+        args: extra positional arguments for `fn`; must pickle.
+
+    Returns:
+        fn's return values, indexed by rank.
+
+    Raises:
+        RankFailure: the first rank to raise, with its traceback; or a rank that died silently.
+        RankTimeout: ranks still running after `timeout` seconds.
+    """
+    ctx = get_context(_START_METHOD)
+    if _START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect only when the server starts
+    # A fresh file per call: a rank killed mid-run leaves its rendezvous file behind, and a second
+    # call in the same tmp_path must not join that stale store.
+    init_method = f"file://{Path(tmp_path).resolve()}/rendezvous-{uuid.uuid4().hex}"
+    # Short, so a rank whose peer died fails in gloo before our own timeout fires and gets a
+    # traceback; the first failure is the one reported, so the dead peer still shows.
+    pg_timeout = datetime.timedelta(seconds=min(timeout, 60.0))
+    deadline = time.monotonic() + timeout
+
+    procs = []
+    conns: dict[Connection, int] = {}
+    try:
+        for rank in range(world_size):
+            recv_conn, send_conn = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, args, init_method, pg_timeout, send_conn),
+                name=f"rank{rank}",
+            )
+            proc.start()
+            # Drop our copy of the write end, so recv() sees EOF once the child is gone.
+            send_conn.close()
+            procs.append(proc)
+            conns[recv_conn] = rank
+
+        results: dict[int, Any] = {}
+        pending = dict(conns)
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready = wait(list(pending), timeout=max(remaining, 0.0))
+            if not ready:
+                _raise_timeout(procs, sorted(pending.values()), world_size, timeout)
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    # The pipe only closes without a message when the process is gone.
+                    procs[rank].join(timeout=5)
+                    raise RankFailure(
+                        f"rank {rank} of {world_size} exited without reporting a result: "
+                        f"{_describe_exit(procs[rank].exitcode)}; anything it wrote is in the "
+                        f"captured stderr"
+                    ) from None
+                if status == "error":
+                    raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
+                results[rank] = payload
+
+        # Every rank has reported; give them a moment to exit cleanly before the finally kills them.
+        for proc in procs:
+            proc.join(timeout=10.0)
+        return [results[rank] for rank in range(world_size)]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join()  # reaps it: no zombies
+            proc.close()
+        for conn in conns:
+            conn.close()
+
+
+def _raise_timeout(procs: list, running: list[int], world_size: int, timeout: float) -> None:
+    for rank in running:
+        if procs[rank].is_alive():
+            os.kill(procs[rank].pid, _DUMP_STACK_SIGNAL)
+    time.sleep(1.0)  # let faulthandler write the stacks before the kill
+    names = ", ".join(f"rank {rank}" for rank in running)
+    raise RankTimeout(
+        f"{names} of {world_size} still running after {timeout:g} s; all ranks killed. "
+        f"Their Python stacks are in the captured stderr."
+    )
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        return f"killed by signal {signal.Signals(-exitcode).name} (exit code {exitcode})"
+    return f"exit code {exitcode}"
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    init_method: str,
+    pg_timeout: datetime.timedelta,
+    conn: Connection,
+) -> None:
+    """Body of one rank: set up, run fn, report exactly one message on conn."""
+    faulthandler.register(_DUMP_STACK_SIGNAL, all_threads=True)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        # Several ranks share 2 cores: more intra-op threads per rank only oversubscribe them.
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=pg_timeout,
+        )
+        result = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+        # Pickle errors surface here, inside the try, and are reported like any other failure.
+        conn.send(("ok", result))
+    except BaseException:
+        # BaseException too: pytest.fail / skip and SystemExit in a rank must not look like a crash.
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
