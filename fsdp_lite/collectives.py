@@ -105,7 +105,10 @@ def reduce_scatter_copy_in(
     """
     rows = reduce_scatter_input.view(world_size, -1)  # (N, unit_shard_numel)
     if hasattr(torch, "_chunk_cat"):  # one kernel; absent on older torch
-        torch._chunk_cat(unsharded_grads, dim=0, num_chunks=world_size, out=rows)
+        # _chunk_cat rejects empty tensors; they add no columns, so dropping them moves nothing.
+        grads = [g for g in unsharded_grads if g.numel()]
+        if grads:
+            torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rows)
         return
     offset = 0
     for grad in unsharded_grads:
