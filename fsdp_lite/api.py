@@ -23,6 +23,7 @@ __all__ = [
     "LocalStateDictConfig",
     "MixedPrecision",
     "OptimStateDictConfig",
+    "OptimStateKeyType",
     "Rules",
     "STRATEGY_RULES",
     "ShardedOptimStateDictConfig",
@@ -55,6 +56,13 @@ class StateDictType(Enum):
     FULL_STATE_DICT = auto()
     LOCAL_STATE_DICT = auto()
     SHARDED_STATE_DICT = auto()
+
+
+class OptimStateKeyType(Enum):
+    """How an optimizer state dict names parameters: by name, or by position (torch's own)."""
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()
 
 
 @dataclass

@@ -9,6 +9,7 @@ per-parameter functions at the bottom are the plain versions the flat ones are t
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -18,11 +19,12 @@ __all__ = [
     "AllGatherResult",
     "ReduceResult",
     "all_gather",
+    "all_gather_objects",
     "all_gather_copy_in",
     "all_gather_copy_out",
     "all_gather_per_param",
     "all_reduce",
-    "grad_divide_factor",
+    "grad_divide_factors",
     "reduce_scatter",
     "reduce_scatter_copy_in",
     "reduce_scatter_per_param",
@@ -50,13 +52,18 @@ class ReduceResult:
     work: dist.Work | None
 
 
-def grad_divide_factor(world_size: int) -> float:
-    """The factor every gradient is multiplied by before the sum-reduction.
+def grad_divide_factors(world_size: int) -> tuple[float, float]:
+    """How a gradient sum becomes an average: divide by ``pre`` before the sum, ``post`` after.
 
-    Multiplying by 1/N before summing is what DDP's reducer does, so fp32 gradients match DDP's
-    bitwise wherever the sum runs in the same order (always at 2 ranks).
+    The same split as torch FSDP1 (pre doubles while it divides N and pre < N / pre): dividing
+    part-way first keeps a low-precision sum of N gradients from overflowing. At 2 ranks
+    (pre 2, post 1) and 4 ranks (2, 2) every division is by a power of two, hence exact, so fp32
+    grads equal DDP's multiply-by-1/N bitwise; at 3 ranks (2, 1.5) they equal torch FSDP1's.
     """
-    return 1.0 / world_size
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return float(pre), world_size / pre
 
 
 def all_gather_copy_in(sharded_flats: list[torch.Tensor], all_gather_input: torch.Tensor) -> None:
@@ -128,7 +135,7 @@ def reduce_scatter_copy_in(
 def reduce_scatter(
     reduce_scatter_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
 ) -> ReduceResult:
-    """Sum row r of every rank's (already divided) ``reduce_scatter_input`` onto rank r.
+    """Sum row r of every rank's ``reduce_scatter_input`` onto rank r.
 
     2 ranks, reduce_scatter of a 4-element gradient:
       rank 0 reduce_scatter_input [1, 2, 3, 4]    rank 1 reduce_scatter_input [5, 6, 7, 8]
@@ -145,12 +152,40 @@ def reduce_scatter(
 def all_reduce(
     flat_grads: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
 ) -> ReduceResult:
-    """Sum the (already divided) ``flat_grads`` over all ranks, in place.
+    """Sum ``flat_grads`` over all ranks, in place.
 
     2 ranks: rank 0 [1, 2], rank 1 [3, 4] -> both [4, 6].
     """
     work = dist.all_reduce(flat_grads, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return ReduceResult(flat_grads, flat_grads, work if async_op else None)
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank's picklable ``obj``, in rank order, on every rank.
+
+    torch's ``all_gather_object`` needs NumPy, which torch itself does not install; this sends the
+    pickle as a uint8 tensor: one all-gather of the lengths, one of the padded bytes.
+    """
+    world_size = dist.get_world_size(group)
+    device = _object_device(group)
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    lengths = torch.empty(world_size, dtype=torch.int64, device=device)
+    _all_gather_single(lengths, length, group=group)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()].copy_(payload)
+    gathered = torch.empty(world_size * longest, dtype=torch.uint8, device=device)
+    _all_gather_single(gathered, padded, group=group)
+    rows = gathered.view(world_size, longest).cpu()  # (N, longest)
+    return [pickle.loads(bytes(rows[r, : int(lengths[r])].tolist())) for r in range(world_size)]
+
+
+def _object_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL only moves CUDA tensors; gloo only CPU ones.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # Plain versions: one collective per parameter, no packing. Slow, obviously right; test oracles.
@@ -173,8 +208,10 @@ def reduce_scatter_per_param(
     shard_rows = -(-dim0 // world_size)
     padded = unsharded_grad.new_zeros((shard_rows * world_size, *unsharded_grad.shape[1:]))
     padded[:dim0].copy_(unsharded_grad)
-    padded.mul_(grad_divide_factor(world_size))
+    pre, post = grad_divide_factors(world_size)
+    padded.div_(pre)
     summed = padded.clone()
     dist.all_reduce(summed, group=group)
+    summed.div_(post)
     rank = dist.get_rank(group)
     return summed[rank * shard_rows : (rank + 1) * shard_rows].reshape(-1)

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from conformance.models import Block, GPTConfig, TinyLM
 from fsdp_lite import FullyShardedDataParallel, ShardingStrategy
+from fsdp_lite.collectives import all_gather_objects
 from fsdp_lite.trace import record_collectives
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 
@@ -171,10 +172,11 @@ def run_rank(args: argparse.Namespace) -> None:
             result.loss_diff = max(abs(a - b) for a, b in zip(losses, ddp_losses))
             result.param_diff = max_param_diff(full_params, ddp_params, mode)
             results[mode] = result
-        everyone: list[dict[str, dict] | None] = [None] * world_size
-        dist.all_gather_object(everyone, {m: dataclasses.asdict(r) for m, r in results.items()})
+        everyone = all_gather_objects({m: dataclasses.asdict(r) for m, r in results.items()})
         if rank == 0:
             say(format_table(everyone, world_size, num_params, args))
+        # Leave together: a rank tearing gloo down while a peer still reads from it can abort.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -29,9 +29,16 @@ from fsdp_lite.api import (
     Rules,
     ShardingStrategy,
 )
+from fsdp_lite.mixed_precision import (
+    Precision,
+    cast_buffers,
+    cast_floating,
+    keep_in_full_precision,
+    resolve,
+)
 from fsdp_lite.param import ShardedParam
 from fsdp_lite.runtime import StepRuntime
-from fsdp_lite.unit import ShardedState, ShardedUnit, TrainingState
+from fsdp_lite.unit import ShardedUnit, TrainingState
 
 __all__ = ["FullyShardedDataParallel", "FullyShardedModule", "UnitConfig"]
 
@@ -52,6 +59,7 @@ class UnitConfig:
     forward_prefetch: bool
     ignored_params: frozenset[nn.Parameter]
     ignored_modules: frozenset[nn.Module]
+    precision: Precision
 
 
 class FullyShardedModule(nn.Module):
@@ -64,7 +72,8 @@ class FullyShardedModule(nn.Module):
         cpu_offload: only ``CPUOffload(offload_params=False)`` for now.
         auto_wrap_policy: chooses submodules that become units of their own (see fsdp_lite.wrap).
         backward_prefetch: when to start the next unit's all-gather in backward (default BACKWARD_PRE).
-        mixed_precision: not built yet; must be None.
+        mixed_precision: dtypes for the unsharded params, gradient reduction and buffers
+            (torch FSDP1 semantics; not with NO_SHARD yet).
         ignored_modules: submodules whose parameters are left alone (not sharded, not reduced).
         param_init_fn: not built yet; must be None.
         device_id: the compute device; the module is moved there first.
@@ -125,13 +134,25 @@ class FullyShardedModule(nn.Module):
             if sync_module_states:
                 _broadcast_module_states(module, _config)
             if auto_wrap_policy is not None:
+                if mixed_precision is not None:
+                    for m in module.modules():
+                        if isinstance(m, tuple(mixed_precision._module_classes_to_ignore)):
+                            keep_in_full_precision(m)
+                # Nested wrappers get the root's arguments explicitly, so that a policy's
+                # override (e.g. mixed_precision=None for BatchNorm) replaces them.
+                root_kwargs = {
+                    "_config": _config,
+                    "sharding_strategy": _config.strategy,
+                    "mixed_precision": mixed_precision,
+                    "cpu_offload": cpu_offload,
+                }
                 wrap.auto_wrap(
                     module,
                     auto_wrap_policy,
                     FullyShardedModule,
                     set(_config.ignored_modules),
                     set(_config.ignored_params),
-                    {"_config": _config},
+                    root_kwargs,
                 )
         else:
             _config = _apply_overrides(_config, sharding_strategy, mixed_precision, cpu_offload)
@@ -148,6 +169,7 @@ class FullyShardedModule(nn.Module):
             p.point_modules_to(p.sharded_param)
         self._register_state_dict_hook(_strip_wrapper_prefix)
         self._register_load_state_dict_pre_hook(_add_wrapper_prefix)
+        self._state_dict_settings = None  # None: FULL_STATE_DICT defaults; see state_dict.py
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -159,6 +181,9 @@ class FullyShardedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         runtime = self._lazy_init()
         runtime.pre_forward(self._unit)
+        precision = self._unit.precision
+        if precision.cast_forward_inputs or (self._is_root and precision.cast_root_forward_inputs):
+            args, kwargs = cast_floating(precision.param_dtype, (args, kwargs))
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return runtime.post_forward(self._unit, output)
 
@@ -273,36 +298,12 @@ class FullyShardedModule(nn.Module):
         if rank0_only and writeback:
             raise ValueError("summon_full_params: rank0_only=True needs writeback=False")
         wrappers = FullyShardedModule.fsdp_modules(module, root_only=not recurse)
-        if not recurse:
-            wrappers = [w for w in wrappers if w is module] or wrappers
         for w in wrappers:
             w._lazy_init()
             w._unit.assert_state(TrainingState.IDLE)
-        units = [w._unit for w in wrappers]
-        was_unsharded = [u.state == ShardedState.UNSHARDED for u in units]
         with contextlib.ExitStack() as stack:
-            # Exit callbacks run last-registered first: copy CPU copies back, write the shards,
-            # reshard, and only then leave the SUMMON state.
-            for u, before in zip(units, was_unsharded):
-                u.unshard("summon")
-                u.wait_for_unshard()
-                u.training_state = TrainingState.SUMMON
-                stack.callback(_end_summon, u)
-                if not before:
-                    stack.callback(u.reshard)
-            if with_grads:
-                for u in units:
-                    _gather_grads(u)
-            if rank0_only and any(u.rank != 0 for u in units):
-                for u, before in zip(units, was_unsharded):
-                    if not before:
-                        u.reshard()
-            else:
-                if writeback:
-                    for u in units:
-                        stack.callback(_writeback, u)
-                if offload_to_cpu:
-                    _offload_full_params(units, stack)
+            for w in wrappers:
+                _summon_unit(w._unit, stack, writeback, rank0_only, offload_to_cpu, with_grads)
             yield
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedModule:
@@ -322,36 +323,145 @@ class FullyShardedModule(nn.Module):
         for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
             yield _clean_name(name), buf
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """A full state dict: unsharded tensors, keys as in the unwrapped module."""
-        if self._runtime is not None and not self._is_root:
-            return super().state_dict(*args, **kwargs)  # the root's call already gathered
-        self._lazy_init()
-        with FullyShardedModule.summon_full_params(self, writeback=False):
-            gathered = {
-                p.unsharded_flat.untyped_storage().data_ptr()
-                for w in self.fsdp_modules(self)
-                for p in w._unit.params
-                if p.is_sharded
-            }
-            full = super().state_dict(*args, **kwargs)
-            for key, value in full.items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.untyped_storage().data_ptr() in gathered
-                ):
-                    full[key] = value.detach().clone()  # the unsharded storage is freed on exit
-        return full
+    def state_dict(
+        self, *, destination: dict | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """This wrapper's state dict, of the type ``state_dict_type`` set (default FULL_STATE_DICT).
+
+        Keys are those of the unwrapped module. FULL: full tensors, gathered one unit at a time
+        (``offload_to_cpu``, ``rank0_only``: other ranks get ``{}``). SHARDED: ``sharded_param``
+        DTensors, for ``torch.distributed.checkpoint``. LOCAL: this rank's rows, plain tensors.
+        See fsdp_lite/state_dict.py.
+        """
+        from fsdp_lite import state_dict as impl
+
+        self._lazy_init()  # the outermost wrapper becomes the root, as in forward
+        impl.to_rest(self)
+        raw = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return impl.after_state_dict(self, raw, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a full state dict (keys as in the unwrapped module) into the shards."""
+        """Load a full, sharded (DTensor) or local state dict into the shards.
+
+        A DTensor value is a shard, a plain tensor a full parameter (each rank keeps its rows, no
+        communication), except under LOCAL_STATE_DICT (this rank's rows). Reported key names
+        are the unwrapped module's. See fsdp_lite/state_dict.py.
+        """
+        from fsdp_lite import state_dict as impl
+
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported")
-        if self._runtime is not None and not self._is_root:
-            return super().load_state_dict(state_dict, strict)
         self._lazy_init()
-        with FullyShardedModule.summon_full_params(self, writeback=True):
-            return super().load_state_dict(state_dict, strict)
+        try:
+            result = super().load_state_dict(state_dict, strict)
+        except RuntimeError as e:
+            raise RuntimeError(_clean_name(str(e))) from None
+        return impl.clean_load_result(result)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        from fsdp_lite import state_dict as impl
+
+        impl.before_load(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch.distributed.checkpoint.state_dict: our keys skip ``_fsdp_wrapped_module``."""
+        inner = self._fsdp_wrapped_module
+        names = [*inner._modules, *inner._parameters, *inner._buffers]
+        return dict.fromkeys(names, WRAPPED)
+
+    # State dict settings and optimizer state: torch FSDP1's static methods, which delegate to
+    # fsdp_lite/state_dict.py and fsdp_lite/optim_state.py (see their docstrings).
+
+    @staticmethod
+    def state_dict_type(
+        module, state_dict_type, state_dict_config=None, optim_state_dict_config=None
+    ):
+        """Context manager: ``set_state_dict_type`` for the block, then the previous settings."""
+        from fsdp_lite import state_dict as impl
+
+        return impl.state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+
+    @staticmethod
+    def set_state_dict_type(
+        module, state_dict_type, state_dict_config=None, optim_state_dict_config=None
+    ):
+        """Set the state dict type and configs of every wrapper under ``module``; returns the old."""
+        from fsdp_lite import state_dict as impl
+
+        return impl.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+
+    @staticmethod
+    def get_state_dict_type(module):
+        """The ``StateDictSettings`` of the wrappers under ``module`` (they must agree)."""
+        from fsdp_lite import state_dict as impl
+
+        return impl.get_state_dict_type(module)
+
+    @staticmethod
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None):
+        """``optim``'s state keyed by parameter name, full or sharded as ``state_dict_type`` says."""
+        from fsdp_lite import optim_state as impl
+
+        return impl.optim_state_dict(model, optim, optim_state_dict, group)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False, group=None
+    ):
+        """A name-keyed optimizer state dict (any world size) made loadable by ``optim``."""
+        from fsdp_lite import optim_state as impl
+
+        return impl.optim_state_dict_to_load(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )
+
+    @staticmethod
+    def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):
+        """Full optimizer state keyed by parameter name (only on rank 0 by default)."""
+        from fsdp_lite import optim_state as impl
+
+        return impl.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
+
+    @staticmethod
+    def sharded_optim_state_dict(model, optim, group=None):
+        """Optimizer state keyed by parameter name, each tensor this rank's DTensor shard."""
+        from fsdp_lite import optim_state as impl
+
+        return impl.sharded_optim_state_dict(model, optim, group)
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict, model, optim_input=None, optim=None):
+        """This rank's part of a full optimizer state dict that every rank holds."""
+        from fsdp_lite import optim_state as impl
+
+        return impl.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict, model, optim_input=None, optim=None, group=None
+    ):
+        """This rank's part of a full optimizer state dict that only rank 0 holds."""
+        from fsdp_lite import optim_state as impl
+
+        return impl.scatter_full_optim_state_dict(
+            full_optim_state_dict, model, optim_input, optim, group
+        )
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict, optim_state_key_type, model, optim_input=None, optim=None
+    ):
+        """Re-key an optimizer state dict by parameter name or id (wrapped model or not)."""
+        from fsdp_lite import optim_state as impl
+
+        return impl.rekey_optim_state_dict(
+            optim_state_dict, optim_state_key_type, model, optim_input, optim
+        )
 
     def __getattr__(self, name: str) -> Any:
         """Forward missing attributes to the wrapped module."""
@@ -401,8 +511,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
             "cpu_offload=CPUOffload(offload_params=True) is not built yet (#5)"
         )
     _check_type("mixed_precision", kw["mixed_precision"], MixedPrecision)
-    if kw["mixed_precision"] is not None:
-        raise NotImplementedError("mixed_precision is not built yet (issue #4)")
+    precision = _resolve_precision(kw["mixed_precision"], strategy)
     if kw["param_init_fn"] is not None:
         raise NotImplementedError("param_init_fn is not built yet (issue #5)")
     policy = kw["auto_wrap_policy"]
@@ -456,6 +565,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         forward_prefetch=kw["forward_prefetch"],
         ignored_params=frozenset(ignored_params),
         ignored_modules=frozenset(ignored_modules),
+        precision=precision,
     )
 
 
@@ -465,21 +575,35 @@ def _apply_overrides(
     mixed_precision: MixedPrecision | None,
     cpu_offload: CPUOffload | None,
 ) -> UnitConfig:
-    """A nested wrapper's config: the root's, with what a CustomPolicy asked to change."""
-    if mixed_precision is not None or (cpu_offload is not None and cpu_offload.offload_params):
+    """A nested wrapper's config: the root's, with the strategy and precision it was given.
+
+    auto-wrap passes the root's values explicitly, so ``mixed_precision=None`` here means a
+    policy asked for full precision (as for BatchNorm), not "unset".
+    """
+    if cpu_offload is not None and cpu_offload.offload_params:
         raise NotImplementedError(
-            "per-unit mixed_precision / cpu_offload are not built yet (#4, #5)"
+            "cpu_offload=CPUOffload(offload_params=True) is not built yet (#5)"
         )
-    if sharding_strategy is None or sharding_strategy == config.strategy:
-        return config
-    _check_type("sharding_strategy", sharding_strategy, ShardingStrategy)
-    if sharding_strategy not in STRATEGY_RULES:
-        raise NotImplementedError(
-            f"sharding_strategy={sharding_strategy.name} is not built yet (#5)"
-        )
+    strategy = sharding_strategy or config.strategy
+    _check_type("sharding_strategy", strategy, ShardingStrategy)
+    if strategy not in STRATEGY_RULES:
+        raise NotImplementedError(f"sharding_strategy={strategy.name} is not built yet (#5)")
+    _check_type("mixed_precision", mixed_precision, MixedPrecision)
     return dataclasses.replace(
-        config, strategy=sharding_strategy, rules=STRATEGY_RULES[sharding_strategy]
+        config,
+        strategy=strategy,
+        rules=STRATEGY_RULES[strategy],
+        precision=_resolve_precision(mixed_precision, strategy),
     )
+
+
+def _resolve_precision(
+    mixed_precision: MixedPrecision | None, strategy: ShardingStrategy
+) -> Precision:
+    precision = resolve(mixed_precision)
+    if precision.enabled and not STRATEGY_RULES[strategy].shard_params:
+        raise NotImplementedError("mixed_precision with NO_SHARD is not built yet (issue #4)")
+    return precision
 
 
 def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
@@ -537,9 +661,7 @@ def _check_same_model_across_ranks(module: nn.Module, config: UnitConfig) -> Non
     Mismatched models would otherwise give collectives of different sizes, which hang or corrupt.
     """
     mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
-    world_size = dist.get_world_size(config.group)
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=config.group)
+    everyone = collectives.all_gather_objects(mine, group=config.group)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:
@@ -570,6 +692,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
     locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     names: dict[nn.Parameter, str] = {}
     nested_params: dict[int, ShardedParam] = {}
+    own_modules: list[nn.Module] = []
     stack: list[tuple[str, nn.Module]] = [("", module)]
     while stack:
         path, m = stack.pop()
@@ -581,6 +704,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
             continue
         if m in config.ignored_modules:
             continue
+        own_modules.append(m)
         for attr, param in m._parameters.items():
             if param is None or param in config.ignored_params:
                 continue
@@ -608,10 +732,22 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
             rank,
             world_size,
             shard=config.rules.shard_params,
+            compute_dtype=config.precision.param_dtype,
         )
         for p in ordered
     ]
-    return ShardedUnit(params, config.group, config.rules)
+    unit = ShardedUnit(params, config.group, config.rules, config.precision)
+    # Buffers live whole on every rank; under mixed precision they compute in buffer_dtype.
+    # The original dtypes are kept so that state dicts can hand them back in full precision.
+    unit.buffer_dtypes = {
+        (m, name): buf.dtype
+        for m in own_modules
+        for name, buf in m._buffers.items()
+        if buf is not None
+    }
+    for m in own_modules:
+        cast_buffers(m, config.precision.buffer_dtype, skip=(FullyShardedModule,), recurse=False)
+    return unit
 
 
 def _clean_name(name: str) -> str:
@@ -635,56 +771,64 @@ def _add_wrapper_prefix(state_dict, prefix, *args) -> None:
 # ---- summon_full_params / clip_grad_norm_ helpers ----------------------------------------------
 
 
-def _end_summon(unit: ShardedUnit) -> None:
-    unit.training_state = TrainingState.IDLE
-    for p in unit.params:
-        if p.is_sharded:
-            p.unsharded_param.grad = None
+def _summon_unit(
+    unit: ShardedUnit,
+    stack: contextlib.ExitStack,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> None:
+    """Show full-precision, full-shape copies of one unit's params until ``stack`` closes.
 
-
-def _writeback(unit: ShardedUnit) -> None:
-    if not unit.rules.shard_params:
-        return  # NO_SHARD: the module already holds the parameters themselves
-    with torch.no_grad():
-        for p in unit.params:
-            p.writeback()
-
-
-def _gather_grads(unit: ShardedUnit) -> None:
-    """All-gather the grad shards into ``unsharded_param.grad`` (zeros where a grad is missing)."""
+    The copies are gathered fresh (not the step's unsharded params, which may be in param_dtype
+    or still in use), and every module attribute is put back as it was on exit.
+    """
     if not unit.rules.shard_params or not unit.params:
+        return  # NO_SHARD: the modules already hold the full parameters themselves
+    full = unit.gather_full([p.sharded_flat for p in unit.params], "summon")
+    grads: list[torch.Tensor | None] = [None] * len(unit.params)
+    if with_grads and any(p.sharded_param.grad is not None for p in unit.params):
+        grad_flats = []
+        for p in unit.params:
+            flat = p.sharded_flat.new_zeros(p.shard_numel)
+            if p.sharded_param.grad is not None:
+                flat[: p.local_numel].copy_(p.sharded_param.grad.to_local().reshape(-1))
+            grad_flats.append(flat)
+        gathered = unit.gather_full(grad_flats, "summon")
+        grads = [
+            g if p.sharded_param.grad is not None else None for g, p in zip(gathered, unit.params)
+        ]
+    if rank0_only and unit.rank != 0:
         return
-    flats = []
-    for p in unit.params:
-        flat = p.sharded_flat.new_zeros(p.shard_numel)
-        if p.sharded_param.grad is not None:
-            flat[: p.local_numel].copy_(p.sharded_param.grad.to_local().reshape(-1))
-        flats.append(flat)
-    all_gather_input = torch.cat(flats)  # 1D, unit_shard_numel
-    result = collectives.all_gather(all_gather_input, unit.group)
-    padded = [p.sharded_flat.new_empty(p.padded_numel) for p in unit.params]
-    collectives.all_gather_copy_out(
-        result.all_gather_output, unit.world_size, unit.shard_numels, padded
-    )
-    for p, full in zip(unit.params, padded):
-        if p.sharded_param.grad is not None:
-            p.unsharded_param.grad = full[: math.prod(p.orig_size)].view(p.orig_size)
+    shown = []
+    for p, tensor, grad in zip(unit.params, full, grads):
+        if offload_to_cpu:
+            tensor = tensor.cpu()
+            grad = grad.cpu() if grad is not None else None
+        param = nn.Parameter(tensor, requires_grad=p.requires_grad)
+        param.grad = grad
+        shown.append(param)
+    previous = [[m._parameters[n] for m, n in p.locations] for p in unit.params]
+    for p, param in zip(unit.params, shown):
+        p.point_modules_to(param)
+    unit.training_state = TrainingState.SUMMON
 
+    def restore() -> None:
+        for p, holders in zip(unit.params, previous):
+            for (m, n), holder in zip(p.locations, holders):
+                m._parameters[n] = holder
+        unit.training_state = TrainingState.IDLE
 
-def _offload_full_params(units: list[ShardedUnit], stack: contextlib.ExitStack) -> None:
-    for u in units:
-        for p in u.params:
-            if not p.is_sharded or p.unsharded_param.device.type == "cpu":
-                continue
-            cpu_copy = nn.Parameter(p.unsharded_param.detach().cpu(), p.requires_grad)
-            p.point_modules_to(cpu_copy)
+    stack.callback(restore)
+    if writeback:  # registered last, so it runs first: before the modules are restored
 
-            def copy_back(p=p, cpu_copy=cpu_copy):
-                with torch.no_grad():
-                    p.unsharded_param.copy_(cpu_copy)
-                p.point_modules_to(p.unsharded_param)
+        def write_shards() -> None:
+            with torch.no_grad():
+                for p, param in zip(unit.params, shown):
+                    p.writeback(param)
 
-            stack.callback(copy_back)
+        stack.callback(write_shards)
 
 
 def _partial_norm(

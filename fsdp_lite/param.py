@@ -77,6 +77,7 @@ class ShardedParam:
         rank: int,
         world_size: int,
         shard: bool,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if shard and orig_param.dim() == 0:
             raise NotImplementedError(
@@ -86,6 +87,7 @@ class ShardedParam:
         self.locations = locations  # every (module, attribute) holding this parameter: tied weights
         self.requires_grad = orig_param.requires_grad
         self.orig_size = orig_param.size()
+        self.numel = orig_param.numel()
         self.is_sharded = shard
         self.world_size = world_size
         self.rank = rank
@@ -121,9 +123,10 @@ class ShardedParam:
             requires_grad=self.requires_grad,
         )
 
-        self.unsharded_flat = data.new_empty(self.padded_numel)
+        # In compute_dtype (MixedPrecision.param_dtype) when set: forward and backward run on it.
+        self.unsharded_flat = data.new_empty(self.padded_numel, dtype=compute_dtype or data.dtype)
         self.unsharded_param = nn.Parameter(
-            self.unsharded_flat[: orig_param.numel()].view(self.orig_size),
+            self.unsharded_flat[: self.numel].view(self.orig_size),
             requires_grad=self.requires_grad,
         )
         free_storage(self.unsharded_flat)
@@ -151,19 +154,26 @@ class ShardedParam:
             # Writing _parameters directly: setattr would reject a non-Parameter and run hooks.
             module._parameters[name] = param
 
-    def set_sharded_grad(self, reduce_scatter_output_slice: torch.Tensor) -> None:
+    def set_sharded_grad(self, reduce_scatter_output_slice: torch.Tensor, keep_dtype: bool) -> None:
         """Turn this parameter's slice of ``reduce_scatter_output`` into ``sharded_param.grad``.
 
-        A gradient already there (accumulation across backwards without ``no_sync``) is added to.
+        The grad takes the shard's (full precision) dtype unless ``keep_dtype``
+        (``MixedPrecision.keep_low_precision_grads``). A gradient already there (accumulation
+        across backwards without ``no_sync``) is added to.
         """
-        grad = self._to_dtensor(reduce_scatter_output_slice[: self.local_numel])
+        local = reduce_scatter_output_slice[: self.local_numel]
+        if not keep_dtype:
+            local = local.to(self.sharded_flat.dtype)
+        elif local.dtype != self.sharded_flat.dtype:
+            self.sharded_param.grad_dtype = None  # torch refuses a grad of another dtype otherwise
+        grad = self._to_dtensor(local)
         if self.sharded_param.grad is None:
             self.sharded_param.grad = grad
         else:
             self.sharded_param.grad += grad
 
-    def writeback(self) -> None:
-        """Copy this rank's rows of ``unsharded_param`` into the shard (after summon_full_params)."""
+    def writeback(self, full: torch.Tensor) -> None:
+        """Copy this rank's rows of a full-shape tensor into the shard (after summon_full_params)."""
         start = self.rank * self.shard_rows
-        rows = self.unsharded_param.detach()[start : start + self.local_rows]
+        rows = full.detach()[start : start + self.local_rows]
         self.sharded_flat[: self.local_numel].copy_(rows.reshape(-1))

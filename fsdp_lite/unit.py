@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fsdp_lite import collectives
 from fsdp_lite.api import Rules
 from fsdp_lite.collectives import AllGatherResult, ReduceResult
+from fsdp_lite.mixed_precision import Precision
 from fsdp_lite.param import ShardedParam
 
 __all__ = ["ShardedState", "ShardedUnit", "TrainingState"]
@@ -47,7 +48,13 @@ class ShardedUnit:
     unit_shard_numel: int  # sum of shard_numel over params: this rank's all_gather_input
     trace: object | None  # a trace.CollectiveTrace while one records, else None
 
-    def __init__(self, params: list[ShardedParam], group: dist.ProcessGroup, rules: Rules) -> None:
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        group: dist.ProcessGroup,
+        rules: Rules,
+        precision: Precision | None = None,
+    ) -> None:
         self.name = ""
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
@@ -55,6 +62,8 @@ class ShardedUnit:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.rules = rules
+        self.precision = precision or Precision()
+        self.buffer_dtypes: dict[tuple[object, str], torch.dtype] = {}  # (module, name) -> original
         self.is_root = False
         self.trace = None
         self.shard_numels = [p.shard_numel for p in params]
@@ -63,7 +72,7 @@ class ShardedUnit:
         self.state = ShardedState.SHARDED if rules.shard_params else ShardedState.UNSHARDED
         self.training_state = TrainingState.IDLE
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
-        self._pending_reduce: tuple[ReduceResult, list[bool]] | None = None
+        self._pending_reduce: tuple[ReduceResult, list[bool], float] | None = None
         # Per-backward bookkeeping, reset by reset_backward().
         self.num_grads_ready = 0
         self.ran_pre_backward = False
@@ -88,7 +97,7 @@ class ShardedUnit:
             return  # nothing to gather, already unsharded, or prefetched
         all_gather_input = torch.empty(
             self.unit_shard_numel,
-            dtype=self.params[0].sharded_flat.dtype,
+            dtype=self.params[0].unsharded_flat.dtype,  # param_dtype: cast once, on 1/N
             device=self.params[0].sharded_flat.device,
         )  # 1D, unit_shard_numel
         collectives.all_gather_copy_in([p.sharded_flat for p in self.params], all_gather_input)
@@ -157,22 +166,23 @@ class ShardedUnit:
             g if g is not None else p.sharded_flat.new_zeros(p.orig_size)
             for g, p in zip(grads, self.trainable)
         ]
-        factor = collectives.grad_divide_factor(self.world_size)
+        reduce_dtype = self.precision.reduce_dtype or filled[0].dtype
+        pre, post = collectives.grad_divide_factors(self.world_size)
         if self.rules.grad_reduce == "reduce_scatter":
             numel = sum(p.shard_numel for p in self.trainable)
-            reduce_scatter_input = filled[0].new_empty(self.world_size * numel)  # 1D, N * numel
+            # The copy-in casts to reduce_dtype; dividing after the cast is what torch FSDP does.
+            reduce_scatter_input = filled[0].new_empty(self.world_size * numel, dtype=reduce_dtype)
             collectives.reduce_scatter_copy_in(filled, self.world_size, reduce_scatter_input)
-            # DDP multiplies by 1/N before its sum; doing the same keeps fp32 grads bitwise equal.
-            reduce_scatter_input.mul_(factor)
+            reduce_scatter_input.div_(pre)
             self._record("reduce_scatter", "backward", reduce_scatter_input)
             result = collectives.reduce_scatter(reduce_scatter_input, self.group, async_op=True)
             for p in self.trainable:
                 p.unsharded_param.grad = None  # its data now lives in reduce_scatter_input
         else:
-            flat_grads = torch.cat([g.reshape(-1) for g in filled]).mul_(factor)  # 1D, sum numel
+            flat_grads = torch.cat([g.reshape(-1) for g in filled]).div_(pre)  # 1D, sum numel
             self._record("all_reduce", "backward", flat_grads)
             result = collectives.all_reduce(flat_grads, self.group, async_op=True)
-        self._pending_reduce = (result, had_grad)
+        self._pending_reduce = (result, had_grad, post)
         self.reduced = True
 
     def finish_reduce(self) -> None:
@@ -180,19 +190,36 @@ class ShardedUnit:
         pending, self._pending_reduce = self._pending_reduce, None
         if pending is None:
             return
-        result, had_grad = pending
+        result, had_grad, post = pending
         if result.work is not None:
             result.work.wait()
+        if post != 1.0:
+            result.output.div_(post)
         offset = 0
         for p, has in zip(self.trainable, had_grad):
             numel = p.shard_numel
             if has:
                 piece = result.output[offset : offset + numel]
                 if self.rules.shard_params:
-                    p.set_sharded_grad(piece)
+                    p.set_sharded_grad(piece, self.precision.keep_low_precision_grads)
                 else:
                     p.sharded_param.grad.copy_(piece.view(p.orig_size))
             offset += numel
+
+    def gather_full(self, sharded_flats: list[torch.Tensor], phase: str) -> list[torch.Tensor]:
+        """All-gather one padded 1D shard per parameter into fresh full-shape tensors.
+
+        For summon_full_params and state dicts: unlike ``unshard`` it keeps the inputs' dtype
+        (full precision) and leaves the unsharded params of the step alone.
+        """
+        all_gather_input = torch.cat(sharded_flats)  # 1D, unit_shard_numel
+        self._record("all_gather", phase, all_gather_input)
+        result = collectives.all_gather(all_gather_input, self.group)
+        padded = [all_gather_input.new_empty(p.padded_numel) for p in self.params]
+        collectives.all_gather_copy_out(
+            result.all_gather_output, self.world_size, self.shard_numels, padded
+        )
+        return [flat[: p.numel].view(p.orig_size) for flat, p in zip(padded, self.params)]
 
     def reset_backward(self) -> None:
         self.num_grads_ready = 0

@@ -261,7 +261,7 @@ def test_writeback_copies_this_rank_rows_into_the_shard(mesh, shape, world_size,
     with torch.no_grad():
         p.unsharded_param.copy_(changed)
         p.unsharded_flat[math.prod(shape) :].fill_(float("nan"))  # padding of the unsharded copy
-    p.writeback()
+    p.writeback(p.unsharded_param)
     case = f"shape {shape}, rank {rank} of {world_size}"
     expected = _expected_rows(changed, rank, world_size)
     torch.testing.assert_close(
@@ -285,7 +285,7 @@ def test_writeback_copies_this_rank_rows_into_the_shard(mesh, shape, world_size,
 def test_set_sharded_grad_views_the_slice_then_accumulates(mesh):
     p = _sharded(mesh, (7, 3), rank=2, world_size=3)  # 1 real row, 2 padding rows
     reduce_scatter_output_slice = torch.arange(9.0)  # 1D, shard_numel
-    p.set_sharded_grad(reduce_scatter_output_slice)
+    p.set_sharded_grad(reduce_scatter_output_slice, keep_dtype=False)
     grad = p.sharded_param.grad
     assert isinstance(grad, DTensor) and grad.placements == (Shard(0),), (
         "7x3 rank 2: grad placement"
@@ -298,7 +298,9 @@ def test_set_sharded_grad_views_the_slice_then_accumulates(mesh):
         atol=0,
         msg=lambda m: f"7x3 rank 2: first grad: {m}",
     )
-    p.set_sharded_grad(torch.full((9,), 10.0))  # a second backward without no_sync adds
+    p.set_sharded_grad(
+        torch.full((9,), 10.0), keep_dtype=False
+    )  # a second backward without no_sync adds
     torch.testing.assert_close(
         p.sharded_param.grad.to_local(),
         torch.tensor([[10.0, 11.0, 12.0]]),

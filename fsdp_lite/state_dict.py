@@ -1,0 +1,375 @@
+"""Model state dicts of a wrapped model: full, sharded and local, to save and to load.
+
+Between steps every module attribute holds its ``sharded_param`` (a DTensor, Shard(0)), so plain
+``nn.Module.state_dict()`` already yields the SHARDED_STATE_DICT. Each wrapper's ``state_dict`` and
+``_load_from_state_dict`` (module.py) call into this file to turn its own unit's entries into the
+configured type on the way out, and back into shards on the way in. The settings themselves
+(``state_dict_type`` and friends, torch FSDP1's API) live here too. Optimizer state: optim_state.py.
+
+Note [Full state dict, one unit at a time]: nn.Module.state_dict visits modules parent first and each
+wrapper's override converts its entries after its subtree has returned, i.e. children first. A
+wrapper gathers only its own unit, copies each parameter out and frees the gathered buffer before
+the next unit starts, so the extra memory at any moment is one unit's ``all_gather_output``, not the
+model. Ranks gather in the same (module) order, so their collectives match.
+
+Note [What a loaded value means]: a DTensor is a shard already (copied, or resharded if its layout
+differs); a plain tensor is a full parameter, except under LOCAL_STATE_DICT, where it is this rank's
+rows. So one ``load_state_dict`` takes full, sharded (after ``dcp.load``) and local state dicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_lite import collectives
+from fsdp_lite.api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from fsdp_lite.param import ShardedParam
+from fsdp_lite.unit import ShardedState, ShardedUnit, TrainingState
+
+__all__ = [
+    "after_state_dict",
+    "as_shard",
+    "before_load",
+    "clean_load_result",
+    "default_settings",
+    "gather_full_params",
+    "get_state_dict_type",
+    "set_state_dict_type",
+    "settings_of",
+    "state_dict_type",
+    "to_rest",
+    "with_local",
+    "wrappers_in",
+]
+
+# The config classes each type takes, as torch FSDP1 checks them (an exact type, not a subclass).
+CONFIG_TYPES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
+def wrappers_in(module: nn.Module) -> list[nn.Module]:
+    from fsdp_lite.module import FullyShardedModule  # module.py calls into this file
+
+    return FullyShardedModule.fsdp_modules(module)
+
+
+# ---- settings ------------------------------------------------------------------------------------
+
+
+def default_settings() -> StateDictSettings:
+    """FULL_STATE_DICT with default configs: what a new wrapper uses, as in torch FSDP1."""
+    return StateDictSettings(
+        StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+    )
+
+
+def settings_of(wrapper: nn.Module) -> StateDictSettings:
+    """One wrapper's settings (``_state_dict_settings`` is None until someone sets them)."""
+    if wrapper._state_dict_settings is None:
+        wrapper._state_dict_settings = default_settings()
+    return wrapper._state_dict_settings
+
+
+def set_state_dict_type(
+    module: nn.Module,
+    state_dict_type: StateDictType,
+    state_dict_config: StateDictConfig | None = None,
+    optim_state_dict_config: OptimStateDictConfig | None = None,
+) -> StateDictSettings:
+    """Set the state dict type and configs of every wrapper in ``module``'s tree.
+
+    Args:
+        module: the root (it need not be a wrapper itself).
+        state_dict_type: FULL_STATE_DICT, SHARDED_STATE_DICT or LOCAL_STATE_DICT.
+        state_dict_config: the model config; default: that type's config with its defaults.
+        optim_state_dict_config: the optimizer config; default likewise.
+
+    Returns:
+        The settings that were in force before (those of the first wrapper).
+    """
+    if not isinstance(state_dict_type, StateDictType):
+        raise TypeError(f"state_dict_type must be StateDictType, got {state_dict_type!r}")
+    config_type, optim_config_type = CONFIG_TYPES[state_dict_type]
+    state_dict_config = config_type() if state_dict_config is None else state_dict_config
+    if optim_state_dict_config is None:
+        optim_state_dict_config = optim_config_type()
+    if type(state_dict_config) is not config_type:
+        raise RuntimeError(
+            f"Expected state_dict_config of type {config_type.__name__} for "
+            f"{state_dict_type.name}, got {type(state_dict_config).__name__}"
+        )
+    if type(optim_state_dict_config) is not optim_config_type:
+        raise RuntimeError(
+            f"Expected optim_state_dict_config of type {optim_config_type.__name__} for "
+            f"{state_dict_type.name}, got {type(optim_state_dict_config).__name__}"
+        )
+    previous = None
+    for w in wrappers_in(module):
+        mine = settings_of(w)
+        if previous is None:
+            previous = dataclasses.replace(mine)
+        elif mine.state_dict_type != previous.state_dict_type:
+            raise AssertionError("All FSDP modules should have the same state_dict_type.")
+        w._state_dict_settings = StateDictSettings(
+            state_dict_type, state_dict_config, optim_state_dict_config
+        )
+    return previous
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings | None:
+    """The settings of the wrappers in ``module``'s tree (None if there are none).
+
+    Raises:
+        AssertionError: two wrappers have different settings.
+    """
+    settings = None
+    for w in wrappers_in(module):
+        mine = settings_of(w)
+        if settings is None:
+            settings = mine
+        elif mine != settings:
+            raise AssertionError(
+                f"All FSDP modules must have the same state dict settings. Got {mine} and "
+                f"{settings}."
+            )
+    return settings
+
+
+@contextlib.contextmanager
+def state_dict_type(
+    module: nn.Module,
+    state_dict_type: StateDictType,
+    state_dict_config: StateDictConfig | None = None,
+    optim_state_dict_config: OptimStateDictConfig | None = None,
+) -> Iterator[None]:
+    """``set_state_dict_type`` for the block, then the previous settings again."""
+    previous = set_state_dict_type(
+        module, state_dict_type, state_dict_config, optim_state_dict_config
+    )
+    try:
+        yield
+    finally:
+        if previous is not None:
+            set_state_dict_type(
+                module,
+                previous.state_dict_type,
+                previous.state_dict_config,
+                previous.optim_state_dict_config,
+            )
+
+
+# ---- at rest -------------------------------------------------------------------------------------
+
+
+def to_rest(wrapper: nn.Module) -> None:
+    """Make the module attributes of this wrapper's unit hold ``sharded_param`` again.
+
+    Between steps they already do, except the root's after a forward without backward (it keeps
+    its unsharded params for the backward that never came); the next backward would gather again.
+    """
+    unit: ShardedUnit = wrapper._unit
+    if unit.training_state != TrainingState.IDLE:
+        raise RuntimeError(
+            f"unit {unit.name or '<root>'!r}: state dicts are taken between steps, not inside "
+            f"forward, backward or summon_full_params (state {unit.training_state.name})"
+        )
+    if unit.rules.shard_params and unit.state == ShardedState.UNSHARDED:
+        unit.reshard()
+
+
+# ---- saving --------------------------------------------------------------------------------------
+
+
+def gather_full_params(unit: ShardedUnit, keep: bool, device: torch.device | None) -> list:
+    """All-gather one unit's shards in full precision; return each parameter's full tensor.
+
+    One collective for the unit (the flat layout of Note [Padding] in param.py). With ``keep``
+    False this rank only takes part and copies nothing out (rank0_only on other ranks). The
+    outputs are exact-size tensors on ``device`` (default: the shards' device), no padding.
+    """
+    params = unit.params
+    all_gather_input = torch.cat([p.sharded_flat for p in params])  # 1D, unit_shard_numel
+    if unit.trace is not None:
+        unit.trace.record("all_gather", unit.name, "state_dict", all_gather_input)
+    result = collectives.all_gather(all_gather_input, unit.group)
+    if not keep:
+        return [None] * len(params)
+    gathered = result.all_gather_output.view(unit.world_size, -1)  # (N, unit_shard_numel)
+    full = []
+    offset = 0
+    for p in params:
+        full.append(_copy_out_rows(gathered[:, offset : offset + p.shard_numel], p, device))
+        offset += p.shard_numel
+    return full
+
+
+def _copy_out_rows(rows: torch.Tensor, p: ShardedParam, device: torch.device | None):
+    """Rank r's ``shard_rows`` rows are row r of ``rows`` (N, shard_numel); drop the padding rows."""
+    dim0, shard_rows = p.orig_size[0], p.shard_rows
+    row_numel = math.prod(p.orig_size[1:])
+    out = torch.empty(p.orig_size, dtype=rows.dtype, device=device or rows.device)
+    if dim0 == 0:
+        return out
+    out_rows = out.view(dim0, row_numel)  # (dim0, row_numel)
+    blocks = rows.view(rows.size(0), shard_rows, row_numel)  # (N, shard_rows, row_numel)
+    whole_ranks, rest = divmod(dim0, shard_rows)  # ranks with every row, rows of the next one
+    out_rows[: whole_ranks * shard_rows].view(whole_ranks, shard_rows, row_numel).copy_(
+        blocks[:whole_ranks]
+    )
+    if rest:
+        out_rows[whole_ranks * shard_rows :].copy_(blocks[whole_ranks, :rest])
+    return out
+
+
+def _own_keys(wrapper: nn.Module, prefix: str) -> dict[str, ShardedParam]:
+    """The state dict keys under ``prefix`` that name this wrapper's own params (tied: several)."""
+    unit: ShardedUnit = wrapper._unit
+    by_location = {(id(m), attr): p for p in unit.params for m, attr in p.locations}
+    keys: dict[str, ShardedParam] = {}
+    for path, m in wrapper._fsdp_wrapped_module.named_modules(remove_duplicate=False):
+        for attr in m._parameters:
+            p = by_location.get((id(m), attr))
+            if p is not None:
+                keys[f"{prefix}{path}.{attr}" if path else f"{prefix}{attr}"] = p
+    return keys
+
+
+def after_state_dict(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str) -> dict:
+    """Turn this wrapper's entries of a raw (sharded) state dict into the configured type.
+
+    Called on the dict nn.Module.state_dict built for this wrapper's subtree, whose nested
+    wrappers have already converted theirs (Note [Full state dict, one unit at a time]).
+    """
+    settings = settings_of(wrapper)
+    config = settings.state_dict_config
+    unit: ShardedUnit = wrapper._unit
+    own = _own_keys(wrapper, prefix)
+    cpu = torch.device("cpu")
+    if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
+        rank0_only = getattr(config, "rank0_only", False)
+        keep = not rank0_only or unit.rank == 0
+        if unit.rules.shard_params and unit.params:
+            device = cpu if config.offload_to_cpu else None
+            full = dict(zip(unit.params, gather_full_params(unit, keep, device)))
+            if keep:
+                for key, p in own.items():
+                    if key in state_dict:
+                        state_dict[key] = full[p]
+        if not keep:  # as torch: only rank 0 returns anything
+            for key in [k for k in state_dict if k.startswith(prefix)]:
+                del state_dict[key]
+        elif config.offload_to_cpu:
+            _to_cpu(state_dict, prefix)
+        return state_dict
+    is_local = settings.state_dict_type == StateDictType.LOCAL_STATE_DICT
+    for key in own:
+        value = state_dict.get(key)
+        if not isinstance(value, DTensor):
+            continue  # NO_SHARD: a plain parameter, the same in every type
+        if is_local:
+            value = value.to_local()  # (local_rows, *rest): this rank's rows, plain
+        elif config.offload_to_cpu:
+            value = with_local(value, value.to_local().cpu())
+        state_dict[key] = value
+    if config.offload_to_cpu:
+        _to_cpu(state_dict, prefix)
+    return state_dict
+
+
+def _to_cpu(state_dict: dict[str, Any], prefix: str) -> None:
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and torch.is_tensor(value) and not isinstance(value, DTensor):
+            state_dict[key] = value.cpu()
+
+
+def with_local(like: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor laid out like ``like`` (mesh, placements, global shape) around ``local``."""
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def before_load(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+    """Replace the values for this wrapper's params with shards laid out like ``sharded_param``.
+
+    See Note [What a loaded value means]. Called from the wrapper's ``_load_from_state_dict`` on
+    the dict nn.Module.load_state_dict hands it (its own copy), before the keys get the
+    ``_fsdp_wrapped_module.`` prefix back. Wrong shapes are left for nn.Module to report.
+    """
+    to_rest(wrapper)
+    is_local = settings_of(wrapper).state_dict_type == StateDictType.LOCAL_STATE_DICT
+    wrapped_prefix = prefix + "_fsdp_wrapped_module."
+    for key, p in _own_keys(wrapper, prefix).items():
+        for name in (key, wrapped_prefix + key[len(prefix) :]):  # clean or raw key
+            if name in state_dict:
+                state_dict[name] = as_shard(state_dict[name], p, is_local, name)
+
+
+def as_shard(value: Any, p: ShardedParam, is_local: bool, key: str) -> Any:
+    """``value`` laid out like ``p.sharded_param`` (see Note [What a loaded value means])."""
+    if not torch.is_tensor(value):
+        return value
+    if not p.is_sharded:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    target: DTensor = p.sharded_param
+    if isinstance(value, DTensor):
+        same_layout = (
+            value.placements == target.placements
+            and value.device_mesh == target.device_mesh
+            and value.shape == target.shape
+        )
+        if same_layout:
+            return value
+        value = value.full_tensor()  # another layout (e.g. Replicate): every rank has it all
+    elif is_local:
+        local_size = (p.local_rows, *p.orig_size[1:])
+        if value.shape != local_size:
+            raise ValueError(
+                f"LOCAL_STATE_DICT value for {key!r} has shape {tuple(value.shape)}, but this "
+                f"rank's shard is {tuple(local_size)} (saved at another world size or rank?)"
+            )
+        return with_local(target, value.to(target.device))
+    if value.shape != p.orig_size:
+        return value  # nn.Module reports the size mismatch with the key's name
+    start = p.rank * p.shard_rows
+    rows = value[start : start + p.local_rows]  # this rank's rows, Note [Padding] in param.py
+    return with_local(target, rows.to(target.device))
+
+
+def clean_load_result(result: Any) -> Any:
+    """Strip ``_fsdp_wrapped_module.`` from the key names nn.Module reports."""
+    from fsdp_lite.module import _clean_name
+
+    result.missing_keys[:] = [_clean_name(k) for k in result.missing_keys]
+    result.unexpected_keys[:] = [_clean_name(k) for k in result.unexpected_keys]
+    return result
