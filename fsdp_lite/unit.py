@@ -4,6 +4,12 @@ A unit moves its parameters between the sharded and the unsharded copy (``unshar
 ``wait_for_unshard``, ``reshard``) and averages their gradients (``reduce_grads``,
 ``finish_reduce``), one flat collective each. It decides nothing about *when*: runtime.py calls it
 from the hooks. Only ``_to_sharded`` and ``_to_unsharded`` change ``ShardedState``.
+
+Note [Unused parameters]: a parameter unused in this forward has no gradient on this rank, but it
+may have one on another. Every rank must join the same collective, so it contributes zeros, and
+each rank also sends a 1 or 0 per parameter in the same buffer ("had a gradient"). After the
+reduction a parameter gets a gradient if any rank had one, and keeps ``None`` only if no rank did:
+what DDP with ``find_unused_parameters=True`` does, with no extra collective.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ class ShardedUnit:
         self.state = ShardedState.SHARDED if rules.shard_params else ShardedState.UNSHARDED
         self.training_state = TrainingState.IDLE
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
-        self._pending_reduce: tuple[ReduceResult, list[bool], float] | None = None
+        self._pending_reduce: tuple[ReduceResult, float] | None = None  # and the post-divide
         # Per-backward bookkeeping, reset by reset_backward().
         self.num_grads_ready = 0
         self.ran_pre_backward = False
@@ -155,21 +161,23 @@ class ShardedUnit:
     def reduce_grads(self) -> None:
         """Start averaging this backward's gradients over ranks; ``finish_reduce`` lands them.
 
-        A trainable parameter without a gradient (unused in this forward) contributes zeros, so
-        every rank joins the same collective; it only gets a gradient if it had one here.
+        See Note [Unused parameters] for parameters without a gradient.
         """
         if not self.trainable:
             return
         grads = self.unsharded_grads()
-        had_grad = [g is not None for g in grads]
         filled = [
             g if g is not None else p.sharded_flat.new_zeros(p.orig_size)
             for g, p in zip(grads, self.trainable)
         ]
         reduce_dtype = self.precision.reduce_dtype or filled[0].dtype
+        # One row per rank, so that after the reduction every rank holds the count of ranks that
+        # had each gradient. See Note [Unused parameters].
+        had_grad = torch.tensor([float(g is not None) for g in grads], dtype=filled[0].dtype)
+        filled.append(had_grad.to(filled[0].device).expand(self.world_size, -1).contiguous())
         pre, post = collectives.grad_divide_factors(self.world_size)
         if self.rules.grad_reduce == "reduce_scatter":
-            numel = sum(p.shard_numel for p in self.trainable)
+            numel = sum(p.shard_numel for p in self.trainable) + len(self.trainable)
             # The copy-in casts to reduce_dtype; dividing after the cast is what torch FSDP does.
             reduce_scatter_input = filled[0].new_empty(self.world_size * numel, dtype=reduce_dtype)
             collectives.reduce_scatter_copy_in(filled, self.world_size, reduce_scatter_input)
@@ -179,10 +187,11 @@ class ShardedUnit:
             for p in self.trainable:
                 p.unsharded_param.grad = None  # its data now lives in reduce_scatter_input
         else:
+            filled[-1] = filled[-1][0]  # all-reduce: every rank keeps the whole buffer, one row
             flat_grads = torch.cat([g.reshape(-1) for g in filled]).div_(pre)  # 1D, sum numel
             self._record("all_reduce", "backward", flat_grads)
             result = collectives.all_reduce(flat_grads, self.group, async_op=True)
-        self._pending_reduce = (result, had_grad, post)
+        self._pending_reduce = (result, post)
         self.reduced = True
 
     def finish_reduce(self) -> None:
@@ -190,20 +199,22 @@ class ShardedUnit:
         pending, self._pending_reduce = self._pending_reduce, None
         if pending is None:
             return
-        result, had_grad, post = pending
+        result, post = pending
         if result.work is not None:
             result.work.wait()
         if post != 1.0:
             result.output.div_(post)
+        ranks_with_grad = result.output[-len(self.trainable) :]  # > 0 where any rank had one
         offset = 0
-        for p, has in zip(self.trainable, had_grad):
+        for p, used in zip(self.trainable, ranks_with_grad.tolist()):
             numel = p.shard_numel
-            if has:
-                piece = result.output[offset : offset + numel]
-                if self.rules.shard_params:
-                    p.set_sharded_grad(piece, self.precision.keep_low_precision_grads)
-                else:
-                    p.sharded_param.grad.copy_(piece.view(p.orig_size))
+            piece = result.output[offset : offset + numel]
+            if used > 0 and self.rules.shard_params:
+                p.set_sharded_grad(piece, self.precision.keep_low_precision_grads)
+            elif used > 0 and p.sharded_param.grad is None:
+                p.sharded_param.grad = piece.view(p.orig_size).to(p.sharded_param.dtype)
+            elif used > 0:
+                p.sharded_param.grad.copy_(piece.view(p.orig_size))
             offset += numel
 
     def gather_full(self, sharded_flats: list[torch.Tensor], phase: str) -> list[torch.Tensor]:

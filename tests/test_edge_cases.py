@@ -162,3 +162,34 @@ def _optimizers_rank(rank: int, world_size: int) -> None:
 
 def test_unmodified_torch_optimizers_step_shards_like_ddp(tmp_path):
     run_ranks(_optimizers_rank, 2, tmp_path, timeout=180)
+
+
+class RankDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 5)
+        self.b = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def _rank_dependent_rank(rank: int, world_size: int) -> None:
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        ddp = DDP(RankDependent(), find_unused_parameters=True)
+        fsdp = FSDP(RankDependent(), sharding_strategy=ShardingStrategy[strategy])
+        ref = dict(ddp.module.named_parameters())
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        for model in (ddp, fsdp):
+            model(x, use_b=rank == 1).sum().backward()
+        for name, p in fsdp.named_parameters():
+            what = f"rank {rank} {strategy} grad {name}"
+            assert p.grad is not None, f"{what}: another rank used it, so it has a gradient"
+            want = ref[name].grad
+            want = shard_of(want, rank, world_size) if hasattr(p, "to_local") else want
+            assert_close(local(p.grad), want, what=what, rtol=0.0, atol=0.0)
+
+
+def test_parameter_used_on_some_ranks_only_gets_the_average_on_all(tmp_path):
+    run_ranks(_rank_dependent_rank, 2, tmp_path, timeout=60)
