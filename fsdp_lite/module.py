@@ -786,7 +786,9 @@ def _summon_unit(
     """
     if not unit.rules.shard_params or not unit.params:
         return  # NO_SHARD: the modules already hold the full parameters themselves
-    full = unit.gather_full([p.sharded_flat for p in unit.params], "summon")
+    keep = not rank0_only or unit.rank == 0
+    device = torch.device("cpu") if offload_to_cpu else None
+    full = unit.gather_full([p.sharded_flat for p in unit.params], "summon", keep, device)
     grads: list[torch.Tensor | None] = [None] * len(unit.params)
     if with_grads and any(p.sharded_param.grad is not None for p in unit.params):
         grad_flats = []
@@ -795,17 +797,14 @@ def _summon_unit(
             if p.sharded_param.grad is not None:
                 flat[: p.local_numel].copy_(p.sharded_param.grad.to_local().reshape(-1))
             grad_flats.append(flat)
-        gathered = unit.gather_full(grad_flats, "summon")
+        gathered = unit.gather_full(grad_flats, "summon", keep, device)
         grads = [
             g if p.sharded_param.grad is not None else None for g, p in zip(gathered, unit.params)
         ]
-    if rank0_only and unit.rank != 0:
+    if not keep:
         return
     shown = []
     for p, tensor, grad in zip(unit.params, full, grads):
-        if offload_to_cpu:
-            tensor = tensor.cpu()
-            grad = grad.cpu() if grad is not None else None
         param = nn.Parameter(tensor, requires_grad=p.requires_grad)
         param.grad = grad
         shown.append(param)

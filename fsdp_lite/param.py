@@ -26,6 +26,7 @@ contribute equal-sized pieces to the flat collectives.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -171,6 +172,22 @@ class ShardedParam:
             self.sharded_param.grad = grad
         else:
             self.sharded_param.grad += grad
+
+    def full_from_rows(self, rows: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+        """This parameter, full and unpadded, from its gathered rows (N, shard_numel)."""
+        dim0, row_numel = self.orig_size[0], math.prod(self.orig_size[1:])
+        out = torch.empty(self.orig_size, dtype=rows.dtype, device=device or rows.device)
+        if dim0 == 0:
+            return out
+        out_rows = out.view(dim0, row_numel)  # (dim0, row_numel)
+        blocks = rows.view(rows.size(0), self.shard_rows, row_numel)  # (N, shard_rows, row_numel)
+        whole_ranks, rest = divmod(dim0, self.shard_rows)  # ranks with all rows; rows of the next
+        out_rows[: whole_ranks * self.shard_rows].view(
+            whole_ranks, self.shard_rows, row_numel
+        ).copy_(blocks[:whole_ranks])
+        if rest:
+            out_rows[whole_ranks * self.shard_rows :].copy_(blocks[whole_ranks, :rest])
+        return out
 
     def writeback(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of a full-shape tensor into the shard (after summon_full_params)."""

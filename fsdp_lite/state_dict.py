@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +28,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_lite import collectives
 from fsdp_lite.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -51,7 +49,6 @@ __all__ = [
     "before_load",
     "clean_load_result",
     "default_settings",
-    "gather_full_params",
     "get_state_dict_type",
     "set_state_dict_type",
     "settings_of",
@@ -202,47 +199,6 @@ def to_rest(wrapper: nn.Module) -> None:
 # ---- saving --------------------------------------------------------------------------------------
 
 
-def gather_full_params(unit: ShardedUnit, keep: bool, device: torch.device | None) -> list:
-    """All-gather one unit's shards in full precision; return each parameter's full tensor.
-
-    One collective for the unit (the flat layout of Note [Padding] in param.py). With ``keep``
-    False this rank only takes part and copies nothing out (rank0_only on other ranks). The
-    outputs are exact-size tensors on ``device`` (default: the shards' device), no padding.
-    """
-    params = unit.params
-    all_gather_input = torch.cat([p.sharded_flat for p in params])  # 1D, unit_shard_numel
-    if unit.trace is not None:
-        unit.trace.record("all_gather", unit.name, "state_dict", all_gather_input)
-    result = collectives.all_gather(all_gather_input, unit.group)
-    if not keep:
-        return [None] * len(params)
-    gathered = result.all_gather_output.view(unit.world_size, -1)  # (N, unit_shard_numel)
-    full = []
-    offset = 0
-    for p in params:
-        full.append(_copy_out_rows(gathered[:, offset : offset + p.shard_numel], p, device))
-        offset += p.shard_numel
-    return full
-
-
-def _copy_out_rows(rows: torch.Tensor, p: ShardedParam, device: torch.device | None):
-    """Rank r's ``shard_rows`` rows are row r of ``rows`` (N, shard_numel); drop the padding rows."""
-    dim0, shard_rows = p.orig_size[0], p.shard_rows
-    row_numel = math.prod(p.orig_size[1:])
-    out = torch.empty(p.orig_size, dtype=rows.dtype, device=device or rows.device)
-    if dim0 == 0:
-        return out
-    out_rows = out.view(dim0, row_numel)  # (dim0, row_numel)
-    blocks = rows.view(rows.size(0), shard_rows, row_numel)  # (N, shard_rows, row_numel)
-    whole_ranks, rest = divmod(dim0, shard_rows)  # ranks with every row, rows of the next one
-    out_rows[: whole_ranks * shard_rows].view(whole_ranks, shard_rows, row_numel).copy_(
-        blocks[:whole_ranks]
-    )
-    if rest:
-        out_rows[whole_ranks * shard_rows :].copy_(blocks[whole_ranks, :rest])
-    return out
-
-
 def _own_keys(wrapper: nn.Module, prefix: str) -> dict[str, ShardedParam]:
     """The state dict keys under ``prefix`` that name this wrapper's own params (tied: several)."""
     unit: ShardedUnit = wrapper._unit
@@ -256,6 +212,17 @@ def _own_keys(wrapper: nn.Module, prefix: str) -> dict[str, ShardedParam]:
     return keys
 
 
+def _restore_buffer_dtypes(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+    """Buffers cast to MixedPrecision.buffer_dtype are saved in their original dtype, as torch does."""
+    dtypes = wrapper._unit.buffer_dtypes
+    for path, m in wrapper._fsdp_wrapped_module.named_modules():
+        for name, buf in m._buffers.items():
+            dtype = dtypes.get((m, name))
+            key = f"{prefix}{path}.{name}" if path else f"{prefix}{name}"
+            if buf is not None and dtype is not None and key in state_dict:
+                state_dict[key] = state_dict[key].to(dtype)
+
+
 def after_state_dict(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str) -> dict:
     """Turn this wrapper's entries of a raw (sharded) state dict into the configured type.
 
@@ -266,13 +233,15 @@ def after_state_dict(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str
     config = settings.state_dict_config
     unit: ShardedUnit = wrapper._unit
     own = _own_keys(wrapper, prefix)
+    _restore_buffer_dtypes(wrapper, state_dict, prefix)
     cpu = torch.device("cpu")
     if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
         rank0_only = getattr(config, "rank0_only", False)
         keep = not rank0_only or unit.rank == 0
         if unit.rules.shard_params and unit.params:
             device = cpu if config.offload_to_cpu else None
-            full = dict(zip(unit.params, gather_full_params(unit, keep, device)))
+            flats = [p.sharded_flat for p in unit.params]
+            full = dict(zip(unit.params, unit.gather_full(flats, "state_dict", keep, device)))
             if keep:
                 for key, p in own.items():
                     if key in state_dict:

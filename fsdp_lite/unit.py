@@ -217,20 +217,30 @@ class ShardedUnit:
                 p.sharded_param.grad.copy_(piece.view(p.orig_size))
             offset += numel
 
-    def gather_full(self, sharded_flats: list[torch.Tensor], phase: str) -> list[torch.Tensor]:
-        """All-gather one padded 1D shard per parameter into fresh full-shape tensors.
+    def gather_full(
+        self,
+        sharded_flats: list[torch.Tensor],
+        phase: str,
+        keep: bool = True,
+        device: torch.device | None = None,
+    ) -> list[torch.Tensor | None]:
+        """All-gather one padded 1D shard per parameter into fresh, exact-size full tensors.
 
         For summon_full_params and state dicts: unlike ``unshard`` it keeps the inputs' dtype
-        (full precision) and leaves the unsharded params of the step alone.
+        (full precision) and leaves the step's unsharded params alone. With ``keep`` False this
+        rank only takes part (rank0_only on the other ranks); ``device`` defaults to the shards'.
         """
         all_gather_input = torch.cat(sharded_flats)  # 1D, unit_shard_numel
         self._record("all_gather", phase, all_gather_input)
         result = collectives.all_gather(all_gather_input, self.group)
-        padded = [all_gather_input.new_empty(p.padded_numel) for p in self.params]
-        collectives.all_gather_copy_out(
-            result.all_gather_output, self.world_size, self.shard_numels, padded
-        )
-        return [flat[: p.numel].view(p.orig_size) for flat, p in zip(padded, self.params)]
+        if not keep:
+            return [None] * len(self.params)
+        gathered = result.all_gather_output.view(self.world_size, -1)  # (N, unit_shard_numel)
+        full, offset = [], 0
+        for p in self.params:
+            full.append(p.full_from_rows(gathered[:, offset : offset + p.shard_numel], device))
+            offset += p.shard_numel
+        return full
 
     def reset_backward(self) -> None:
         self.num_grads_ready = 0

@@ -252,3 +252,20 @@ def _casting_rank(rank: int, world_size: int) -> None:
 
 def test_casting_rules_for_inputs_outputs_buffers_grads_and_collectives(tmp_path):
     run_ranks(_casting_rank, 2, tmp_path, timeout=120)
+
+
+def _buffer_state_dict_rank(rank: int, world_size: int) -> None:
+    mp = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    model = FSDP(WithBuffer(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), mixed_precision=mp)
+    assert model.scale.dtype == torch.bfloat16
+    full = model.state_dict()
+    assert full["scale"].dtype == torch.float32, "state dicts keep buffers in full precision"
+    assert all(v.dtype == torch.float32 for v in full.values()), {
+        k: v.dtype for k, v in full.items()
+    }
+    model.load_state_dict(full)
+    assert model.scale.dtype == torch.bfloat16, "loading keeps the compute dtype"
+
+
+def test_full_state_dict_has_full_precision_params_and_buffers(tmp_path):
+    run_ranks(_buffer_state_dict_rank, 2, tmp_path, timeout=60)
