@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fsdp_lite import BackwardPrefetch, ShardingStrategy
 from fsdp_lite import FullyShardedDataParallel as FSDP
-from fsdp_lite import ShardingStrategy
 from tests.parity import (
     POLICIES,
     assert_close,
@@ -39,13 +39,16 @@ VS_DDP = {2: (0.0, 0.0), 3: (1e-6, 1e-7)}
 VS_SINGLE = (1e-5, 1e-6)
 
 
-def _parity_rank(rank: int, world_size: int, strategy_name: str, model_name: str) -> dict:
+def _parity_rank(
+    rank: int, world_size: int, strategy_name: str, model_name: str, options: dict | None = None
+) -> dict:
     strategy = ShardingStrategy[strategy_name]
     ddp = DDP(build_model(model_name))
     fsdp = FSDP(
         build_model(model_name),
         sharding_strategy=strategy,
         auto_wrap_policy=POLICIES[model_name],
+        **(options or {}),
     )
     single = build_model(model_name)
     models = {"ddp": ddp, "fsdp": fsdp, "single": single}
@@ -111,3 +114,17 @@ def test_training_steps_match_ddp_and_single_process(
     )
     if world_size == 2:
         assert all(w["vs_ddp"] == 0.0 for w in worst), f"not bitwise equal to DDP: {worst}"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"forward_prefetch": True},
+        {"backward_prefetch": BackwardPrefetch.BACKWARD_POST},
+        {"backward_prefetch": None},
+    ],
+    ids=["forward_prefetch", "backward_post", "no_prefetch"],
+)
+def test_prefetch_modes_change_timing_not_numbers(tmp_path, options):
+    worst = run_ranks(_parity_rank, 2, tmp_path, args=("FULL_SHARD", "lm", options), timeout=180)
+    assert all(w["vs_ddp"] == 0.0 for w in worst), f"not bitwise equal to DDP: {worst}"

@@ -15,12 +15,15 @@ from tests.ranks import run_ranks
 
 def _schedule_rank(rank: int, world_size: int, strategy_name: str, prefetch_name: str) -> dict:
     strategy = ShardingStrategy[strategy_name]
-    prefetch = BackwardPrefetch[prefetch_name] if prefetch_name != "NONE" else None
+    prefetch = (
+        BackwardPrefetch[prefetch_name] if prefetch_name in BackwardPrefetch.__members__ else None
+    )
     model = FSDP(
         build_model("lm"),
         sharding_strategy=strategy,
         auto_wrap_policy=POLICIES["lm"],
         backward_prefetch=prefetch,
+        forward_prefetch=prefetch_name == "FORWARD",
     )
     wrappers = FSDP.fsdp_modules(model)
     units = [w._unit for w in wrappers]
@@ -44,7 +47,7 @@ def _schedule_rank(rank: int, world_size: int, strategy_name: str, prefetch_name
     }
 
 
-@pytest.mark.parametrize("prefetch_name", ["BACKWARD_PRE", "BACKWARD_POST", "NONE"])
+@pytest.mark.parametrize("prefetch_name", ["BACKWARD_PRE", "BACKWARD_POST", "NONE", "FORWARD"])
 def test_full_shard_gathers_once_per_unit_each_way_and_reduce_scatters_once(
     tmp_path, prefetch_name
 ):
