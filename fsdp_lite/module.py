@@ -73,7 +73,7 @@ class FullyShardedModule(nn.Module):
         auto_wrap_policy: chooses submodules that become units of their own (see fsdp_lite.wrap).
         backward_prefetch: when to start the next unit's all-gather in backward (default BACKWARD_PRE).
         mixed_precision: dtypes for the unsharded params, gradient reduction and buffers
-            (torch FSDP1 semantics; not with NO_SHARD yet).
+            (torch FSDP1 semantics).
         ignored_modules: submodules whose parameters are left alone (not sharded, not reduced).
         param_init_fn: not built yet; must be None.
         device_id: the compute device; the module is moved there first.
@@ -162,7 +162,7 @@ class FullyShardedModule(nn.Module):
         self._fsdp_wrapped_module = module
         self._unit = _build_unit(module, _config)
         for p in self._unit.params:
-            grad_holder = p.unsharded_param if p.is_sharded else p.sharded_param
+            grad_holder = p.unsharded_param if p.unsharded_param is not None else p.sharded_param
             if p.requires_grad:
                 grad_holder.register_post_accumulate_grad_hook(self._on_grad_ready)
         for p in self._unit.params:
@@ -511,7 +511,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
             "cpu_offload=CPUOffload(offload_params=True) is not built yet (#5)"
         )
     _check_type("mixed_precision", kw["mixed_precision"], MixedPrecision)
-    precision = _resolve_precision(kw["mixed_precision"], strategy)
+    precision = resolve(kw["mixed_precision"])
     if kw["param_init_fn"] is not None:
         raise NotImplementedError("param_init_fn is not built yet (issue #5)")
     policy = kw["auto_wrap_policy"]
@@ -593,17 +593,8 @@ def _apply_overrides(
         config,
         strategy=strategy,
         rules=STRATEGY_RULES[strategy],
-        precision=_resolve_precision(mixed_precision, strategy),
+        precision=resolve(mixed_precision),
     )
-
-
-def _resolve_precision(
-    mixed_precision: MixedPrecision | None, strategy: ShardingStrategy
-) -> Precision:
-    precision = resolve(mixed_precision)
-    if precision.enabled and not STRATEGY_RULES[strategy].shard_params:
-        raise NotImplementedError("mixed_precision with NO_SHARD is not built yet (issue #4)")
-    return precision
 
 
 def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:

@@ -103,6 +103,13 @@ class ShardedParam:
             self.sharded_flat = orig_param.data.view(-1)
             self.unsharded_flat = None
             self.unsharded_param = None
+            if compute_dtype is not None and compute_dtype != orig_param.dtype:
+                # NO_SHARD under mixed precision: forward runs on a low-precision copy.
+                self.unsharded_flat = orig_param.detach().new_empty(self.numel, dtype=compute_dtype)
+                self.unsharded_param = nn.Parameter(
+                    self.unsharded_flat.view(self.orig_size), requires_grad=self.requires_grad
+                )
+                free_storage(self.unsharded_flat)
             return
 
         dim0 = self.orig_size[0]

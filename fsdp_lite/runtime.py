@@ -111,8 +111,7 @@ class StepRuntime:
                 unit.reduce_grads()
         for unit in self.units:
             unit.finish_reduce()
-            if unit.rules.shard_params:
-                unit.reshard()
+            unit.reshard()
             unit.reset_backward()
         self._callback_queued = False
         self._recording_order = False

@@ -192,7 +192,7 @@ def to_rest(wrapper: nn.Module) -> None:
             f"unit {unit.name or '<root>'!r}: state dicts are taken between steps, not inside "
             f"forward, backward or summon_full_params (state {unit.training_state.name})"
         )
-    if unit.rules.shard_params and unit.state == ShardedState.UNSHARDED:
+    if unit.uses_unsharded_copy and unit.state == ShardedState.UNSHARDED:
         unit.reshard()
 
 

@@ -75,7 +75,12 @@ class ShardedUnit:
         self.shard_numels = [p.shard_numel for p in params]
         self.unit_shard_numel = sum(self.shard_numels)
 
-        self.state = ShardedState.SHARDED if rules.shard_params else ShardedState.UNSHARDED
+        # Whether forward runs on a separate unsharded copy: a gathered one when sharded, a cast
+        # one for NO_SHARD under mixed precision; otherwise modules always hold the params.
+        self.uses_unsharded_copy = bool(params) and all(
+            p.unsharded_param is not None for p in params
+        )
+        self.state = ShardedState.SHARDED if self.uses_unsharded_copy else ShardedState.UNSHARDED
         self.training_state = TrainingState.IDLE
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
         self._pending_reduce: tuple[ReduceResult, float] | None = None  # and the post-divide
@@ -101,6 +106,9 @@ class ShardedUnit:
         """Start the all-gather of this unit's shards; ``wait_for_unshard`` finishes it."""
         if not self.params or self.state == ShardedState.UNSHARDED or self._all_gather is not None:
             return  # nothing to gather, already unsharded, or prefetched
+        if not self.rules.shard_params:
+            self._cast_copy()
+            return
         all_gather_input = torch.empty(
             self.unit_shard_numel,
             dtype=self.params[0].unsharded_flat.dtype,  # param_dtype: cast once, on 1/N
@@ -133,10 +141,21 @@ class ShardedUnit:
             )
         self._to_unsharded()
 
+    def _cast_copy(self) -> None:
+        """NO_SHARD under mixed precision: the unsharded copy is a local cast, no collective."""
+        with contextlib.ExitStack() as stack, torch.no_grad():
+            for p in self.params:  # see the version-counter comment in wait_for_unshard
+                p.alloc_unsharded()
+                stack.enter_context(
+                    torch.autograd._unsafe_preserve_version_counter(p.unsharded_param)
+                )
+                p.unsharded_param.copy_(p.sharded_param)
+        self._to_unsharded()
+
     def reshard(self) -> None:
         if self._all_gather is not None:  # a prefetch nobody used: finish it so buffers can go
             self.wait_for_unshard()
-        if self.state == ShardedState.UNSHARDED and self.rules.shard_params:
+        if self.state == ShardedState.UNSHARDED and self.uses_unsharded_copy:
             self._to_sharded()
 
     def _to_unsharded(self) -> None:
@@ -154,7 +173,7 @@ class ShardedUnit:
 
     def unsharded_grads(self) -> list[torch.Tensor | None]:
         """The gradient autograd left on each trainable parameter's unsharded (or only) copy."""
-        if self.rules.shard_params:
+        if self.uses_unsharded_copy:
             return [p.unsharded_param.grad for p in self.trainable]
         return [p.sharded_param.grad for p in self.trainable]
 
@@ -188,7 +207,10 @@ class ShardedUnit:
                 p.unsharded_param.grad = None  # its data now lives in reduce_scatter_input
         else:
             filled[-1] = filled[-1][0]  # all-reduce: every rank keeps the whole buffer, one row
-            flat_grads = torch.cat([g.reshape(-1) for g in filled]).div_(pre)  # 1D, sum numel
+            flat_grads = torch.cat([g.reshape(-1).to(reduce_dtype) for g in filled]).div_(pre)
+            if self.uses_unsharded_copy:
+                for p in self.trainable:
+                    p.unsharded_param.grad = None  # its data now lives in flat_grads
             self._record("all_reduce", "backward", flat_grads)
             result = collectives.all_reduce(flat_grads, self.group, async_op=True)
         self._pending_reduce = (result, post)
@@ -211,6 +233,16 @@ class ShardedUnit:
             piece = result.output[offset : offset + numel]
             if used > 0 and self.rules.shard_params:
                 p.set_sharded_grad(piece, self.precision.keep_low_precision_grads)
+            elif used > 0 and self.uses_unsharded_copy:  # NO_SHARD + mixed precision
+                grad = piece.view(p.orig_size)
+                if not self.precision.keep_low_precision_grads:
+                    grad = grad.to(p.sharded_param.dtype)
+                elif grad.dtype != p.sharded_param.dtype:
+                    p.sharded_param.grad_dtype = None  # torch refuses another dtype otherwise
+                if p.sharded_param.grad is None:
+                    p.sharded_param.grad = grad
+                else:
+                    p.sharded_param.grad += grad  # fresh copy grads each backward: accumulate
             elif used > 0 and p.sharded_param.grad is None:
                 p.sharded_param.grad = piece.view(p.orig_size).to(p.sharded_param.dtype)
             elif used > 0:

@@ -269,3 +269,55 @@ def _buffer_state_dict_rank(rank: int, world_size: int) -> None:
 
 def test_full_state_dict_has_full_precision_params_and_buffers(tmp_path):
     run_ranks(_buffer_state_dict_rank, 2, tmp_path, timeout=60)
+
+
+def _strategies_vs_fsdp1_rank(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as NativeFSDP1
+    from torch.distributed.fsdp import MixedPrecision as NativeMP
+    from torch.distributed.fsdp import ShardingStrategy as NativeStrategy
+
+    from fsdp_lite import ShardingStrategy
+
+    worst = {}
+    kw = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for name in ("NO_SHARD", "SHARD_GRAD_OP"):
+        ours = FSDP(
+            build("lm"),
+            sharding_strategy=ShardingStrategy[name],
+            auto_wrap_policy=POLICY,
+            mixed_precision=MixedPrecision(**kw),
+        )
+        native = NativeFSDP1(
+            build("lm"),
+            sharding_strategy=NativeStrategy[name],
+            auto_wrap_policy=POLICY,
+            mixed_precision=NativeMP(**kw),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+        optims = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, native)]
+        worst[name] = 0.0
+        for step in range(3):
+            x, y = rank_batch("lm", step, rank, world_size)
+            losses = []
+            for model, optim in zip((ours, native), optims):
+                out = model(x)
+                assert out.dtype == torch.bfloat16, f"{name}: output dtype {out.dtype}"
+                losses.append(loss_fn("lm", out, y))
+                losses[-1].backward()
+                optim.step()
+                optim.zero_grad()
+            worst[name] = max(worst[name], (losses[0].float() - losses[1].float()).abs().item())
+        with FSDP.summon_full_params(ours, writeback=False):
+            mine = {n: p.detach().clone() for n, p in ours.named_parameters()}
+        assert all(t.dtype == torch.float32 for t in mine.values()), f"{name}: fp32 params"
+        with NativeFSDP1.summon_full_params(native, writeback=False):
+            for n, p in native.named_parameters():
+                n = n.replace("_fsdp_wrapped_module.", "")
+                worst[name] = max(worst[name], (mine[n] - p).abs().max().item())
+    return worst
+
+
+def test_no_shard_and_shard_grad_op_in_bf16_match_native_fsdp1_bitwise(tmp_path):
+    for rank, worst in enumerate(run_ranks(_strategies_vs_fsdp1_rank, 2, tmp_path, timeout=180)):
+        assert all(v == 0.0 for v in worst.values()), f"rank {rank}: not bitwise: {worst}"

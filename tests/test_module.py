@@ -43,15 +43,6 @@ BAD_INPUT = {
         NotImplementedError,
         "cpu_offload",
     ),
-    "mixed_precision_no_shard_not_built": (
-        lambda m, g: FSDP(
-            m,
-            sharding_strategy=ShardingStrategy.NO_SHARD,
-            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
-        ),
-        NotImplementedError,
-        "mixed_precision with NO_SHARD",
-    ),
     "mixed_precision_integer_dtype": (
         lambda m, g: FSDP(m, mixed_precision=MixedPrecision(param_dtype=torch.int32)),
         TypeError,
