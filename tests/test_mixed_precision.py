@@ -321,3 +321,62 @@ def _strategies_vs_fsdp1_rank(rank: int, world_size: int) -> dict:
 def test_no_shard_and_shard_grad_op_in_bf16_match_native_fsdp1_bitwise(tmp_path):
     for rank, worst in enumerate(run_ranks(_strategies_vs_fsdp1_rank, 2, tmp_path, timeout=180)):
         assert all(v == 0.0 for v in worst.values()), f"rank {rank}: not bitwise: {worst}"
+
+
+def _fp16_scaler_rank(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as NativeFSDP1
+    from torch.distributed.fsdp import MixedPrecision as NativeMP
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as NativeScaler
+
+    from fsdp_lite.sharded_grad_scaler import ShardedGradScaler
+
+    kw = dict(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    ours = FSDP(build("lm"), auto_wrap_policy=POLICY, mixed_precision=MixedPrecision(**kw))
+    native = NativeFSDP1(
+        build("lm"),
+        auto_wrap_policy=POLICY,
+        mixed_precision=NativeMP(**kw),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+    scalers = [
+        ShardedGradScaler("cpu", init_scale=2.0**10),
+        NativeScaler("cpu", init_scale=2.0**10),
+    ]
+    optims = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, native)]
+    worst = {"loss": 0.0, "params": 0.0}
+    for step in range(4):
+        x, y = rank_batch("lm", step, rank, world_size)
+        losses = []
+        for model, optim, scaler in zip((ours, native), optims, scalers):
+            losses.append(loss_fn("lm", model(x), y))
+            scaler.scale(losses[-1]).backward()
+            if step == 2 and rank == 1:  # an overflow on one rank only: every rank must skip
+                _plant_inf(model)
+            scaler.step(optim)
+            scaler.update()
+            optim.zero_grad()
+        worst["loss"] = max(worst["loss"], (losses[0].float() - losses[1].float()).abs().item())
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**9, (
+        "one skipped step: scale halved"
+    )
+    with FSDP.summon_full_params(ours, writeback=False):
+        mine = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    with NativeFSDP1.summon_full_params(native, writeback=False):
+        for n, p in native.named_parameters():
+            n = n.replace("_fsdp_wrapped_module.", "")
+            worst["params"] = max(worst["params"], (mine[n] - p).abs().max().item())
+    return worst
+
+
+def _plant_inf(model: nn.Module) -> None:
+    for p in model.parameters():
+        grad = local(p.grad) if p.grad is not None else None
+        if grad is not None and grad.numel():
+            grad.view(-1)[0] = float("inf")
+            return
+
+
+def test_fp16_with_sharded_grad_scaler_matches_native_and_skips_together(tmp_path):
+    for rank, worst in enumerate(run_ranks(_fp16_scaler_rank, 2, tmp_path, timeout=180)):
+        assert all(v == 0.0 for v in worst.values()), f"rank {rank}: not bitwise: {worst}"
