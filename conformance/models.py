@@ -1,7 +1,9 @@
 """The model zoo: tiny models, built from configs, that exercise what sharding can get wrong.
 
 Shapes are chosen so that most dim-0 sizes do not divide by 2, 3 or 4 (padding), some are smaller
-than the world size, and the LM ties its embedding to its output projection. Every builder seeds
+than the world size, and the LM ties its embedding to its output projection. ConvNet brings
+BatchNorm (buffers, batch-coupled statistics), FrozenMLP parameters that take no gradient, and
+``build("hf_llama")`` a tiny transformers model when that package is installed. Every builder seeds
 torch itself, so every rank and every reference builds identical weights.
 """
 
@@ -13,8 +15,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
-__all__ = ["Block", "GPTConfig", "MLP", "Nested", "TinyLM", "build"]
+__all__ = [
+    "MODEL_NAMES",
+    "Block",
+    "ConvNet",
+    "FrozenMLP",
+    "GPTConfig",
+    "MLP",
+    "Nested",
+    "TinyLM",
+    "build",
+]
 
 
 class MLP(nn.Module):
@@ -36,6 +49,7 @@ class GPTConfig:
     n_heads: int = 2
     n_layers: int = 2
     d_ff: int = 40
+    tie_embeddings: bool = True  # the output projection is the token embedding's parameter
 
 
 class Block(nn.Module):
@@ -50,8 +64,16 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
         self.out = nn.Linear(cfg.d_ff, cfg.d_model)
+        # Activation checkpointing: keep no activations in forward, recompute them in backward.
+        # Inside the block, so every FSDP sees the same module tree with or without it.
+        self.checkpoint = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._block, x, use_reentrant=False)
+        return self._block(x)
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
@@ -64,7 +86,8 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """A GPT-style decoder whose output projection is tied to the token embedding."""
+    """A GPT-style decoder whose output projection is tied to the token embedding (unless
+    ``cfg.tie_embeddings`` is False)."""
 
     def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
         super().__init__()
@@ -74,7 +97,8 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.head.weight = self.tok.weight  # tied: one parameter, two uses in one forward
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok.weight  # tied: one parameter, two uses in one forward
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.size(1)]
@@ -102,13 +126,87 @@ class Nested(nn.Module):
         return self.head(x)
 
 
+class ConvNet(nn.Module):
+    """Conv + BatchNorm blocks and a linear classifier, on (batch, 3, 8, 8) images.
+
+    BatchNorm normalizes with the statistics of the batch it sees, so the result depends on how
+    the global batch is split across ranks, and its running statistics are buffers that no
+    gradient reduction keeps in sync.
+    """
+
+    def __init__(self, channels: tuple[int, ...] = (3, 5, 7), num_classes: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            # No conv bias: BatchNorm subtracts the mean right after, so its exact gradient is 0
+            # and what autograd returns is rounding noise, different under every reduction order.
+            nn.Sequential(
+                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()
+            )
+            for c_in, c_out in zip(channels[:-1], channels[1:])
+        )
+        self.head = nn.Linear(channels[-1], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))  # global average pool: (batch, channels)
+
+
+class FrozenMLP(nn.Module):
+    """An MLP with a frozen first layer and a middle part that mixes frozen and trainable params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(7, 13)
+        self.mid = nn.Sequential(nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 13))
+        self.head = nn.Linear(13, 3)
+        self.stem.requires_grad_(False)  # a whole unit without gradients
+        self.mid[0].weight.requires_grad_(False)  # one unit, trainable and frozen side by side
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.stem(x))
+        return self.head(x + self.mid(x))
+
+
+def _build_hf_llama() -> nn.Module:
+    """A tiny ``LlamaForCausalLM`` built from a config (no download); needs ``transformers``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=61,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "eager"  # plain matmuls: the same kernels under every wrapper
+    return LlamaForCausalLM(cfg)
+
+
+# name -> builder; build() seeds first, so each builder may draw random numbers freely.
+_BUILDERS = {
+    "mlp": MLP,
+    "lm": TinyLM,
+    "lm_untied": lambda: TinyLM(GPTConfig(tie_embeddings=False)),
+    "nested": Nested,
+    "convnet": ConvNet,
+    "frozen": FrozenMLP,
+    "hf_llama": _build_hf_llama,
+}
+MODEL_NAMES = tuple(_BUILDERS)
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
-    """Build a zoo model by name with fixed weights: 'mlp', 'lm' or 'nested'."""
+    """Build a zoo model by name with fixed weights: one of ``MODEL_NAMES``.
+
+    'mlp', 'lm' and 'nested' are the core engine's test models; 'lm_untied' is 'lm' without the
+    tied head, 'convnet' has BatchNorm, 'frozen' has frozen parameters, and 'hf_llama' needs the
+    optional ``transformers`` package.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     torch.manual_seed(seed)
-    if name == "mlp":
-        return MLP()
-    if name == "lm":
-        return TinyLM()
-    if name == "nested":
-        return Nested()
-    raise ValueError(f"unknown model {name!r}; choose mlp, lm or nested")
+    return _BUILDERS[name]()

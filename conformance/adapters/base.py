@@ -1,0 +1,197 @@
+"""The adapter interface: how the suite drives one FSDP implementation.
+
+The runner owns the training loop and the references; an adapter only translates. It wraps a model
+as a ``WrapRequest`` asks, and hands back full (unsharded) gradients, parameters, optimizer state
+and state dicts under the unwrapped module's parameter names. The defaults here work for any
+implementation whose sharded tensors are DTensors (fsdp_lite, torch FSDP2); override what differs.
+See docs/conformance.md, "Adding an adapter for your own FSDP".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from conformance.matrix import Case
+
+__all__ = ["Adapter", "Unsupported", "WrapRequest", "clean_name", "full_tensor"]
+
+# Wrapper attributes that appear in parameter names but not in the user's module.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+class Unsupported(Exception):
+    """Raised by an adapter (anywhere in a case) for a combination its implementation lacks.
+
+    The case is reported ``unsupported`` with this message, never ``passed``. A
+    ``NotImplementedError`` raised while wrapping counts the same.
+    """
+
+
+@dataclass
+class WrapRequest:
+    """Everything an adapter needs to wrap one model for one case, decided by the runner.
+
+    Attributes:
+        case: the case being run (strategy, precision, feature, model, world size).
+        units: submodules that must become units of their own, children before parents. The root
+            module is wrapped too, so its remaining parameters form the root unit.
+        group: the process group to shard over (all ranks of the run).
+        device: this rank's compute device (cpu, or cuda:LOCAL_RANK under NCCL).
+        param_dtype: None for fp32; otherwise param, reduce and buffer dtype (FSDP1's
+            MixedPrecision(param_dtype=d, reduce_dtype=d, buffer_dtype=d)).
+        backward_prefetch: "default" (the implementation's own default), "BACKWARD_PRE",
+            "BACKWARD_POST" or "NONE".
+        forward_prefetch: prefetch the next unit's all-gather in forward.
+        cpu_offload: keep sharded parameters on the CPU (CPUOffload(offload_params=True)).
+        mesh: a 1-D DeviceMesh over ``group``.
+        mesh_2d: ``mesh_2d(replicate, shard)`` builds (once per run) a 2-D mesh over all ranks
+            with dims ("replicate", "shard"); ``hybrid_mesh()`` picks the shape for HYBRID_SHARD.
+    """
+
+    case: Case
+    units: list[nn.Module]
+    group: dist.ProcessGroup
+    device: torch.device
+    param_dtype: torch.dtype | None
+    backward_prefetch: str
+    forward_prefetch: bool
+    cpu_offload: bool
+    mesh: DeviceMesh
+    mesh_2d: Callable[[int, int], DeviceMesh]
+
+    @property
+    def strategy(self) -> str:
+        return self.case.strategy
+
+    def hybrid_mesh(self) -> DeviceMesh:
+        """The HYBRID_SHARD mesh: 2 replicas when the world size is even (2 ranks: 2 replicas of
+        1 shard, so the replicate all-reduce is what runs), else 1 replica of all ranks."""
+        world_size = self.case.world_size
+        replicate = 2 if world_size % 2 == 0 else 1
+        return self.mesh_2d(replicate, world_size // replicate)
+
+    def unit_policy(self) -> Callable[[nn.Module], bool]:
+        """``lambda_fn`` for a lambda auto-wrap policy that wraps exactly ``units``."""
+        unit_ids = {id(m) for m in self.units}
+        return lambda module: id(module) in unit_ids
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole logical tensor on every rank: DTensor shards are all-gathered, others returned."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return t
+
+
+def clean_name(name: str) -> str:
+    """A parameter or state-dict key as in the unwrapped module (wrapper prefixes removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+class Adapter:
+    """Maps the suite's cases onto one FSDP implementation's API. Subclass it for your own FSDP.
+
+    One instance serves a whole run; keep per-case state on the wrapped model, not on the adapter.
+    Every method runs on every rank, in the same order, so collectives inside them line up.
+    Tensors handed back are full (unsharded), detached, and keyed by the parameter names of the
+    unwrapped module (``clean_name``); the runner compares them with DDP and a single process.
+    """
+
+    name: ClassVar[str] = "unnamed"  # what --impl selects and reports show
+    description: ClassVar[str] = ""
+
+    # ---- what this implementation has ---------------------------------------------------------
+
+    def strategies(self) -> list[str]:
+        """Names of the sharding strategies this implementation has (its ShardingStrategy members).
+
+        Extra strategies (HYBRID_SHARD, SHARD_OPTIM) are only put in the matrix when listed here.
+        """
+        return ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
+
+    def unsupported_reason(self, case: Case) -> str | None:
+        """Why ``case`` cannot run on this implementation, or None. No collectives here."""
+        return None
+
+    @contextlib.contextmanager
+    def case_context(self, case: Case) -> Iterator[None]:
+        """Entered around each case on every rank (the planted-bug tests patch in here)."""
+        yield
+
+    # ---- building ----------------------------------------------------------------------------
+
+    def wrap(self, model: nn.Module, request: WrapRequest) -> nn.Module:
+        """Shard ``model`` (already on ``request.device``) as ``request`` says; return the model to
+        call. Raise ``Unsupported`` (or NotImplementedError) for what the implementation lacks."""
+        raise NotImplementedError(f"{type(self).__name__}.wrap")
+
+    def make_optimizer(
+        self, model: nn.Module, make: Callable[[Any], torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
+        """The optimizer over the wrapped model's parameters; ``make(params)`` builds the suite's."""
+        return make(model.parameters())
+
+    def make_grad_scaler(self, model: nn.Module, request: WrapRequest, init_scale: float) -> Any:
+        """A gradient scaler for fp16 (scale / unscale_ / step / update, like torch's GradScaler)."""
+        raise Unsupported(f"{self.name} has no gradient scaler for fp16")
+
+    # ---- the training loop's hooks -----------------------------------------------------------
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which backward accumulates gradients without communicating."""
+        return model.no_sync()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip all gradients to a global 2-norm of ``max_norm``; return the norm before clipping."""
+        return model.clip_grad_norm_(max_norm)
+
+    # ---- full tensors, for comparison ----------------------------------------------------------
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, by name."""
+        return {clean_name(n): full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+
+    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient, whole, by name (None where it has none)."""
+        return {
+            clean_name(n): None if p.grad is None else full_tensor(p.grad.detach()).clone()
+            for n, p in model.named_parameters()
+        }
+
+    def full_optim_state(
+        self, model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's per-parameter tensors (e.g. momentum_buffer), whole, by parameter name."""
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for n, p in model.named_parameters():
+            tensors = {
+                k: full_tensor(v.detach()).clone()
+                for k, v in optim.state.get(p, {}).items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0  # not the scalar "step"
+            }
+            if tensors:
+                state[clean_name(n)] = tensors
+        return state
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's full state dict (parameters and buffers, unsharded), keys as unwrapped."""
+        return {
+            clean_name(k): full_tensor(v.detach()).clone()
+            for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
+
+    def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a state dict as ``full_state_dict`` returns it into a freshly wrapped model."""
+        model.load_state_dict(state_dict)

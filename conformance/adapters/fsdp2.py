@@ -1,0 +1,124 @@
+"""The adapter for native torch FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each unit gets ``fully_shard``, then the root. Strategies map to FSDP2's terms: FULL_SHARD is
+``reshard_after_forward=True``, SHARD_GRAD_OP ``False``, HYBRID_SHARD a 2-D (replicate, shard)
+mesh, and NO_SHARD a (world_size, 1) mesh, i.e. every rank a replica of one unsharded shard.
+Mixed precision is a ``MixedPrecisionPolicy``; gradients and optimizer state are DTensors; state
+dicts go through ``torch.distributed.checkpoint.state_dict`` with ``full_state_dict=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from conformance.adapters.base import Adapter, WrapRequest, clean_name, full_tensor
+from conformance.matrix import Case
+
+__all__ = ["TorchFSDP2Adapter"]
+
+
+class TorchFSDP2Adapter(Adapter):
+    name = "torch_fsdp2"
+    description = "torch.distributed.fsdp.fully_shard (FSDP2), per unit and root"
+
+    def strategies(self) -> list[str]:
+        return ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]
+
+    def unsupported_reason(self, case: Case) -> str | None:
+        from conformance.matrix import FEATURES
+
+        if case.strategy not in self.strategies():
+            return f"no FSDP2 equivalent of {case.strategy}"
+        prefetch = FEATURES[case.feature].backward_prefetch
+        if prefetch in ("BACKWARD_POST", "NONE"):
+            # FSDP2 always prefetches the previous unit in pre-backward; an explicit
+            # set_modules_to_backward_prefetch([]) falls back to that same default.
+            return f"FSDP2 has no backward_prefetch={prefetch} mode"
+        return None
+
+    def wrap(self, model: nn.Module, request: WrapRequest) -> nn.Module:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        if request.strategy == "NO_SHARD":
+            mesh = request.mesh_2d(request.case.world_size, 1)
+        elif request.strategy == "HYBRID_SHARD":
+            mesh = request.hybrid_mesh()
+        else:
+            mesh = request.mesh
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=request.param_dtype, reduce_dtype=request.param_dtype
+        )
+        if request.param_dtype is not None:
+            # The case's precision includes buffer_dtype (FSDP1's MixedPrecision); FSDP2's policy
+            # has none, so cast floating-point buffers (e.g. rotary inv_freq) as FSDP1 would.
+            for module in model.modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    if buf.is_floating_point():
+                        module._buffers[name] = buf.to(request.param_dtype)
+        offload_policy = (
+            CPUOffloadPolicy(pin_memory=request.device.type == "cuda")
+            if request.cpu_offload
+            else OffloadPolicy()
+        )
+        kwargs = dict(
+            mesh=mesh,
+            reshard_after_forward=request.strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
+        for unit in request.units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        if request.forward_prefetch:
+            _chain_forward_prefetch(request.units)
+        return model
+
+    def make_grad_scaler(self, model: nn.Module, request: WrapRequest, init_scale: float) -> Any:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(
+            device=request.device.type, init_scale=init_scale, process_group=request.group
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        # Works on DTensor gradients: the norm is reduced over the mesh.
+        return full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return {clean_name(k): v.detach().clone() for k, v in sd.items()}
+
+    def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+
+def _chain_forward_prefetch(units: list[nn.Module]) -> None:
+    """Each unit prefetches the next one in forward order (skipping units nested in each other)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    outer = [u for u in units if not any(u is not o and u in set(o.modules()) for o in units)]
+    for current, following in zip(outer, outer[1:]):
+        if isinstance(current, FSDPModule) and isinstance(following, FSDPModule):
+            current.set_modules_to_forward_prefetch([following])

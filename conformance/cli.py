@@ -1,0 +1,229 @@
+"""``python -m conformance``: choose the cases, start the ranks, run, report.
+
+Without ``RANK`` in the environment it starts ``--nproc`` local ranks itself through torch's
+elastic launcher (what ``torchrun --standalone`` does) and waits for them; under ``torchrun`` it
+uses the ranks it is given. Every rank builds the same case list and calls ``run_cases`` in one
+process group; rank 0 prints progress and the summary and writes the reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+
+__all__ = ["main", "parse_args"]
+
+log = logging.getLogger("conformance")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    # No option may be a prefix of one of torchrun's (FACTS: torchrun rejects those), except
+    # --nproc, which only the self-launch reads: under torchrun use --nproc-per-node instead.
+    parser = argparse.ArgumentParser(
+        prog="python -m conformance",
+        description="Check FSDP implementations against DDP and a single process, stage by stage.",
+    )
+    parser.add_argument(
+        "--impl",
+        nargs="+",
+        action="extend",
+        metavar="NAME",
+        help="implementations: fsdp_lite, torch_fsdp1, torch_fsdp2, or module.path:AdapterClass "
+        "(default fsdp_lite)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="ranks to launch (default 2); ignored under torchrun"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="gloo (CPU, default) or nccl (cuda:LOCAL_RANK)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a small subset (CI smoke test)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="run cases whose name matches (glob with * ? [ ], else substring); repeatable. "
+        "Names look like fsdp_lite/FULL_SHARD/fp32/no_sync/lm_untied/ws2",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="optimizer steps per case before the state-dict round trip (default 3)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds a collective may wait before a case is failed (default 60)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the full results as JSON")
+    parser.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
+    parser.add_argument("--markdown", metavar="PATH", help="write the summary table as Markdown")
+    parser.add_argument("--list", action="store_true", help="print the selected cases and exit")
+    parser.add_argument(
+        "--verbose", "-v", action="store_true", help="log diagnostics (logger 'conformance')"
+    )
+    parser.add_argument("--status-file", help=argparse.SUPPRESS)  # set by the self-launch
+    args = parser.parse_args(argv)
+    args.impl = args.impl or ["fsdp_lite"]
+    if args.nproc < 1 or args.steps < 1:
+        parser.error("--nproc and --steps must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format=f"%(asctime)s rank {os.environ.get('RANK', '-')} %(name)s %(levelname)s: %(message)s",
+    )
+    if args.list:
+        cases, notes, _ = _cases(args, int(os.environ.get("WORLD_SIZE", args.nproc)))
+        for note in notes:
+            print(f"note: {note}")
+        print("\n".join(c.name for c in cases))
+        return 0
+    if "RANK" in os.environ:  # started by torchrun, or by launch() below
+        return run_rank(args)
+    return launch(args, argv)
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run this module on ``args.nproc`` local ranks with torch's elastic launcher, as torchrun does."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=args.nproc,
+        run_id=f"conformance_{uuid.uuid4().hex[:8]}",
+        # Port 0: the c10d rendezvous binds a free port itself (what torchrun --standalone does).
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,  # a crashed rank would only crash again
+        monitor_interval=0.1,
+    )
+    # Ranks inherit the environment: one thread each, or N ranks fight over the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
+        status_file = os.path.join(tmp, "status.json")
+        try:
+            elastic_launch(config, sys.executable)(
+                "-m", "conformance", *argv, "--status-file", status_file
+            )
+        except ChildFailedError as e:
+            print(f"conformance: a rank crashed (its traceback is above)\n{e}", file=sys.stderr)
+            return 1
+        try:
+            with open(status_file) as f:
+                return int(json.load(f)["exit_status"])
+        except (OSError, ValueError, KeyError):
+            print("conformance: rank 0 left no status; treating the run as failed", file=sys.stderr)
+            return 1
+
+
+def _cases(args: argparse.Namespace, world_size: int):
+    from conformance.adapters import get_adapter
+    from conformance.matrix import build_matrix, select
+
+    adapters = {}
+    for spec in args.impl:
+        adapter = get_adapter(spec)
+        adapters[adapter.name] = adapter
+    known = {name: a.strategies() for name, a in adapters.items()}
+    cases, notes = build_matrix(list(adapters), known, world_size, quick=args.quick)
+    cases = select(cases, args.only)
+    return cases, notes, adapters
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """One rank's whole run: join the group, run every case, report on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from conformance import report
+    from conformance.runner import run_cases
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    # Rank 0 shows each distinct warning once per run; N ranks x M cases of copies are noise.
+    warnings.simplefilter("once" if rank == 0 else "ignore")
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        args.backend,
+        timeout=datetime.timedelta(seconds=args.timeout * 2 + 60),
+        device_id=device if device.type == "cuda" else None,
+    )
+    try:
+        world_size = dist.get_world_size()
+        cases, notes, adapters = _cases(args, world_size)
+
+        def say(line: str) -> None:
+            if rank == 0:
+                print(line, flush=True)  # stdout is often a pipe: flush, or lines arrive at exit
+
+        say(
+            f"conformance: {len(cases)} cases for {', '.join(adapters)} at world size {world_size} "
+            f"({args.backend}, {device.type}), {args.steps} steps + a state-dict round trip each"
+        )
+        for note in notes:
+            say(f"note: {note}")
+        start = time.perf_counter()
+        results = run_cases(
+            cases,
+            adapters,
+            steps=args.steps,
+            device=device,
+            timeout_s=args.timeout,
+            progress=lambda i, n, r: say(report.format_progress(i, n, r)),
+        )
+        elapsed = time.perf_counter() - start
+        status = report.exit_status(results)
+        if rank == 0:
+            say("")
+            say(report.format_summary(results))
+            say(f"wall time {elapsed:.1f} s")
+            meta = {
+                "impls": list(adapters),
+                "world_size": world_size,
+                "backend": args.backend,
+                "device": device.type,
+                "steps": args.steps,
+                "quick": args.quick,
+                "only": args.only,
+                "seconds": round(elapsed, 2),
+            }
+            _write(args.json, report.to_json(results, meta))
+            _write(args.junit, report.to_junit(results))
+            _write(args.markdown, report.to_markdown(results))
+            _write(args.status_file, json.dumps({"exit_status": status}))
+        # Self-launched ranks exit 0 and the launcher returns the status (a non-zero exit would
+        # read as a crash); under torchrun every rank exits with it.
+        return 0 if args.status_file else status
+    finally:
+        dist.destroy_process_group()
+
+
+def _write(path: str | None, text: str) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)

@@ -1,0 +1,221 @@
+"""The cases the suite runs: what a case is, what each feature does, and the default matrices.
+
+A ``Case`` names one run: implementation, sharding strategy, precision, feature and model at one
+world size. ``FEATURES`` says what each feature changes in the training loop or in the wrapping;
+``build_matrix`` crosses them as documented in docs/conformance.md (features with one transformer,
+models with the plain loop, mixed precision with a few features) and ``select`` applies ``--only``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from conformance.zoo import SPECS
+
+__all__ = [
+    "CORE_STRATEGIES",
+    "EXTRA_STRATEGIES",
+    "FEATURES",
+    "PRECISIONS",
+    "Case",
+    "Feature",
+    "Precision",
+    "build_matrix",
+    "select",
+]
+
+CORE_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+# Run only for implementations whose ShardingStrategy has the member (see Adapter.strategies).
+EXTRA_STRATEGIES = ("HYBRID_SHARD", "SHARD_OPTIM")
+
+
+@dataclass(frozen=True, order=True)
+class Case:
+    """One run of the suite: an implementation trained a few steps against the references."""
+
+    impl: str
+    strategy: str
+    precision: str
+    feature: str
+    model: str
+    world_size: int
+
+    @property
+    def name(self) -> str:
+        return "/".join(
+            [
+                self.impl,
+                self.strategy,
+                self.precision,
+                self.feature,
+                self.model,
+                f"ws{self.world_size}",
+            ]
+        )
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision as FSDP1's MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=dtype)."""
+
+    name: str
+    dtype: torch.dtype | None  # None: everything in fp32, no mixed precision
+    grad_scaler: bool = False  # fp16 needs loss scaling (a ShardedGradScaler)
+
+
+PRECISIONS = {
+    p.name: p
+    for p in [
+        Precision("fp32", None),
+        Precision("bf16", torch.bfloat16),
+        Precision("fp16", torch.float16, grad_scaler=True),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Feature:
+    """What one feature changes; the fields are read by the runner and passed to adapters."""
+
+    name: str
+    doc: str
+    # Training loop (the references do the same):
+    micro_batches: int = 1  # > 1: all but the last backward run under no_sync()
+    clip_grad_norm: float | None = None  # clip_grad_norm_(max_norm) between backward and step
+    freeze: bool = False  # freeze the first block and the position embedding before wrapping
+    # Wrapping only (the references train exactly as in "plain"):
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    backward_prefetch: str = "default"  # "default" | "BACKWARD_PRE" | "BACKWARD_POST" | "NONE"
+    forward_prefetch: bool = False
+
+    @property
+    def reference_key(self) -> tuple:
+        """Features with the same key train the references identically (their runs are shared)."""
+        return (self.micro_batches, self.clip_grad_norm, self.freeze)
+
+
+FEATURES = {
+    f.name: f
+    for f in [
+        Feature("plain", "forward, backward, optimizer step"),
+        Feature("no_sync", "2 micro-batches, the first under no_sync()", micro_batches=2),
+        # Small enough that every step clips: the clip coefficient, and so the norm, matters.
+        Feature("clip_grad_norm", "clip_grad_norm_(0.05) before the step", clip_grad_norm=0.05),
+        Feature(
+            "activation_checkpointing",
+            "transformer blocks recompute activations in backward",
+            activation_checkpointing=True,
+        ),
+        Feature("cpu_offload", "CPUOffload(offload_params=True)", cpu_offload=True),
+        Feature(
+            "backward_prefetch_pre",
+            "BackwardPrefetch.BACKWARD_PRE",
+            backward_prefetch="BACKWARD_PRE",
+        ),
+        Feature(
+            "backward_prefetch_post",
+            "BackwardPrefetch.BACKWARD_POST",
+            backward_prefetch="BACKWARD_POST",
+        ),
+        Feature("backward_prefetch_none", "backward_prefetch=None", backward_prefetch="NONE"),
+        Feature("forward_prefetch", "forward_prefetch=True", forward_prefetch=True),
+        Feature(
+            "frozen_params",
+            "first block and pos embedding frozen (requires_grad=False)",
+            freeze=True,
+        ),
+        Feature("tied_weights", "embedding and output head share one parameter (model lm)"),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A product of strategies x precisions x features x models, one part of a matrix."""
+
+    strategies: tuple[str, ...]
+    precisions: tuple[str, ...]
+    features: tuple[str, ...]
+    models: tuple[str, ...]
+
+
+_ALL_STRATEGIES = CORE_STRATEGIES + EXTRA_STRATEGIES
+_LOOP_FEATURES = tuple(f for f in FEATURES if f != "tied_weights")
+
+# Every feature with one transformer, in every precision. The transformer has no tied weights, so
+# a tied-weights bug fails only the tied_weights case (which trains lm, the same model tied).
+# Every model with the loop features that change gradients. BatchNorm (convnet) stays in fp32:
+# FSDP1 keeps BatchNorm in fp32 under MixedPrecision and FSDP2 does not, so there is no one
+# mixed-precision reference for it.
+_MODELS = ("mlp", "nested", "convnet", "frozen", "hf_llama")
+DEFAULT_MATRIX = (
+    Slice(CORE_STRATEGIES, ("fp32", "bf16", "fp16"), _LOOP_FEATURES, ("lm_untied",)),
+    Slice(CORE_STRATEGIES, ("fp32", "bf16", "fp16"), ("tied_weights",), ("lm",)),
+    Slice(CORE_STRATEGIES, ("fp32",), ("plain", "no_sync", "clip_grad_norm"), _MODELS),
+    Slice(
+        CORE_STRATEGIES, ("bf16", "fp16"), ("plain",), tuple(m for m in _MODELS if m != "convnet")
+    ),
+    Slice(
+        EXTRA_STRATEGIES, ("fp32", "bf16"), ("plain", "no_sync", "clip_grad_norm"), ("lm_untied",)
+    ),
+)
+QUICK_MATRIX = (
+    Slice(CORE_STRATEGIES, ("fp32",), ("plain", "no_sync", "clip_grad_norm"), ("lm_untied",)),
+    Slice(CORE_STRATEGIES, ("fp32",), ("tied_weights",), ("lm",)),
+    Slice(CORE_STRATEGIES, ("fp32",), ("plain",), ("mlp", "nested")),
+    Slice(("FULL_SHARD",), ("bf16", "fp16"), ("plain",), ("lm_untied",)),
+)
+
+
+def build_matrix(
+    impls: Sequence[str],
+    known_strategies: dict[str, Iterable[str]],
+    world_size: int,
+    quick: bool = False,
+) -> tuple[list[Case], list[str]]:
+    """The cases to run for ``impls``, and notes on what was left out and why.
+
+    ``known_strategies[impl]`` lists the ShardingStrategy members that implementation has; an
+    extra strategy (HYBRID_SHARD, SHARD_OPTIM) runs only where it exists, a core one always (an
+    implementation without it reports it unsupported).
+    """
+    cases: list[Case] = []
+    notes: list[str] = []
+    seen: set[Case] = set()
+    for impl in impls:
+        known = set(known_strategies.get(impl, ()))
+        for part in QUICK_MATRIX if quick else DEFAULT_MATRIX:
+            for strategy in part.strategies:
+                if strategy not in CORE_STRATEGIES and strategy not in known:
+                    continue
+                for precision in part.precisions:
+                    for feature in part.features:
+                        for model in part.models:
+                            case = Case(impl, strategy, precision, feature, model, world_size)
+                            if case not in seen:
+                                seen.add(case)
+                                cases.append(case)
+    for model in sorted({c.model for c in cases}):
+        reason = SPECS[model].unavailable()
+        if reason:
+            notes.append(f"model {model} left out: {reason}")
+            cases = [c for c in cases if c.model != model]
+    return cases, notes
+
+
+def select(cases: list[Case], patterns: Sequence[str]) -> list[Case]:
+    """Cases whose name matches any pattern: a glob if it has * ? or [, else a substring."""
+    if not patterns:
+        return cases
+
+    def matches(name: str, pattern: str) -> bool:
+        if any(ch in pattern for ch in "*?["):
+            return fnmatch.fnmatchcase(name, pattern)
+        return pattern in name
+
+    return [c for c in cases if any(matches(c.name, p) for p in patterns)]

@@ -1,0 +1,329 @@
+"""Turning results into what people and CI systems read: progress lines, a table, JSON, JUnit, Markdown.
+
+Everything here is pure formatting of ``CaseResult``s (runner.py) and the tolerance table; the CLI
+prints on rank 0 only. The JSON schema is documented in docs/conformance.md: one object with a
+``cases`` list; each case's ``stages`` maps a stage to its verdict and its two comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import xml.etree.ElementTree as ET
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from conformance.compare import StageTally
+from conformance.runner import CaseResult
+from conformance.tolerances import STAGES, TABLE
+
+__all__ = [
+    "tolerance_markdown",
+    "format_progress",
+    "format_summary",
+    "to_json",
+    "to_junit",
+    "to_markdown",
+    "exit_status",
+]
+
+SCHEMA_VERSION = 1
+_COLUMNS = (
+    "impl",
+    "strategy",
+    "precision",
+    "feature",
+    "model",
+    "status",
+    "worst stage",
+    "vs DDP",
+    "vs single",
+    "time",
+)
+
+
+def exit_status(results: Sequence[CaseResult]) -> int:
+    """1 if any case failed, else 0 (unsupported is not a failure)."""
+    return int(any(r.status == "failed" for r in results))
+
+
+def _num(x: float) -> str:
+    if x == 0:
+        return "0"
+    if math.isinf(x) or math.isnan(x):
+        return str(x)
+    return f"{x:.1e}"
+
+
+def _worst_stage(r: CaseResult) -> str:
+    """The failing stage (and step), or for a passing case the stage furthest from DDP."""
+    if r.status == "unsupported":
+        return "-"
+    first = r.first_failure()
+    if first is not None:
+        step, stage = first
+        return f"{stage} (step {step})"
+    if r.traceback is not None:
+        return "raised"
+    compared = [(t["ddp"].max_abs, s) for s, t in r.stages.items() if t["ddp"].compared]
+    if not compared or max(compared)[0] == 0:
+        return "-"
+    return max(compared)[1]
+
+
+def _vs(r: CaseResult, ref: str) -> str:
+    tallies = [per[ref] for per in r.stages.values() if per[ref].compared]
+    if not tallies:
+        return "-"
+    if all(t.bitwise for t in tallies):
+        return "bitwise"
+    return _num(max(t.max_abs for t in tallies))
+
+
+def _row(r: CaseResult) -> list[str]:
+    c = r.case
+    return [
+        c.impl,
+        c.strategy,
+        c.precision,
+        c.feature,
+        c.model,
+        r.status,
+        _worst_stage(r),
+        _vs(r, "ddp"),
+        _vs(r, "single"),
+        f"{r.seconds:.1f}s",
+    ]
+
+
+def format_progress(index: int, total: int, r: CaseResult) -> str:
+    """One line per finished case, e.g. ``[  3/20] passed       fsdp_lite/FULL_SHARD/... 0.9s``."""
+    width = len(str(total))
+    line = f"[{index + 1:>{width}}/{total}] {r.status:<11} {r.case.name}  {r.seconds:.1f}s"
+    if r.status != "passed" and r.reason:
+        line += f"  ({r.reason.splitlines()[0][:160]})"
+    return line
+
+
+def format_summary(results: Sequence[CaseResult]) -> str:
+    """The terminal table (one row per case), the counts, and what failed or was unsupported."""
+    rows = [list(_COLUMNS)] + [_row(r) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    counts = Counter(r.status for r in results)
+    lines += [
+        "",
+        f"{len(results)} cases: {counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['unsupported']} unsupported",
+        "vs DDP / vs single: 'bitwise', or the largest absolute difference over all stages and steps.",
+    ]
+    failed = [r for r in results if r.status == "failed"]
+    if failed:
+        lines += ["", "Failures:"]
+        for r in failed:
+            lines.append(f"  {r.case.name}: {r.reason}")
+            for stage in STAGES:
+                per_ref = r.stages.get(stage, {})
+                bad = [(ref, t) for ref, t in per_ref.items() if not t.passed]
+                if bad:
+                    parts = [
+                        f"vs {ref} max abs {_num(t.max_abs)}, rel {_num(t.max_rel)} > rtol "
+                        f"{t.tolerance.rtol:g} (from step {t.first_failed_step})"
+                        for ref, t in bad
+                    ]
+                    lines.append(f"    {stage}: " + "; ".join(parts))
+                    lines += [f"      {p}" for p in bad[0][1].problems[:2]]
+            if r.traceback:
+                last = [ln for ln in r.traceback.strip().splitlines() if ln.strip()][-1]
+                lines.append(f"    raised: {last.strip()[:300]} (full traceback in --json)")
+    unsupported = Counter((r.case.impl, r.reason) for r in results if r.status == "unsupported")
+    if unsupported:
+        lines += ["", "Unsupported (cases: reason):"]
+        for (impl, reason), n in sorted(unsupported.items(), key=lambda kv: (kv[0][0], -kv[1])):
+            lines.append(f"  {impl} x{n}: {(reason or '').splitlines()[0][:200]}")
+    return "\n".join(lines)
+
+
+def _tally_json(t: StageTally) -> dict[str, Any]:
+    return {
+        "max_abs": t.max_abs,
+        "max_rel": t.max_rel,
+        "bitwise": t.bitwise,
+        "tolerance": {"atol": t.tolerance.atol, "rtol": t.tolerance.rtol},
+        "passed": t.passed,
+        "first_failed_step": t.first_failed_step,
+        "worst": t.worst,
+        "problems": list(t.problems),
+    }
+
+
+def _case_json(r: CaseResult) -> dict[str, Any]:
+    c = r.case
+    stages = {}
+    for stage in STAGES:
+        per_ref = r.stages.get(stage)
+        if not per_ref or not any(t.compared for t in per_ref.values()):
+            continue  # the case ended (raised or unsupported) before this stage
+        ddp, single = _tally_json(per_ref["ddp"]), _tally_json(per_ref["single"])
+        stages[stage] = {
+            # The verdict for the stage, with the DDP comparison's numbers at top level.
+            "max_abs": ddp["max_abs"],
+            "max_rel": ddp["max_rel"],
+            "bitwise": ddp["bitwise"],
+            "tolerance": ddp["tolerance"],
+            "passed": ddp["passed"] and single["passed"],
+            "vs_ddp": ddp,
+            "vs_single": single,
+        }
+    first = r.first_failure()
+    return {
+        "name": c.name,
+        "impl": c.impl,
+        "strategy": c.strategy,
+        "precision": c.precision,
+        "feature": c.feature,
+        "model": c.model,
+        "world_size": c.world_size,
+        "status": r.status,
+        "reason": r.reason,
+        "first_failure": None if first is None else {"step": first[0], "stage": first[1]},
+        "traceback": r.traceback,
+        "seconds": round(r.seconds, 3),
+        "stages": stages,
+    }
+
+
+def to_json(results: Sequence[CaseResult], meta: dict[str, Any]) -> str:
+    """The whole run as one JSON object (schema in docs/conformance.md)."""
+    counts = Counter(r.status for r in results)
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        **meta,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "summary": {s: counts[s] for s in ("passed", "failed", "unsupported")},
+        "exit_status": exit_status(results),
+        "tolerance_table": [
+            {
+                "precision": row.precision,
+                "reference": row.reference,
+                "when": row.when,
+                "tolerances": {s: {"atol": t.atol, "rtol": t.rtol} for s, t in row.stages.items()},
+                "why": row.why,
+            }
+            for row in TABLE
+        ],
+        "cases": [_case_json(r) for r in results],
+    }
+    return json.dumps(doc, indent=2, default=str)
+
+
+def to_junit(results: Sequence[CaseResult], suite_name: str = "conformance") -> str:
+    """JUnit XML: a testcase per case, <failure> naming the stage, <error> for an exception,
+    <skipped> for unsupported."""
+    counts = Counter(r.status for r in results)
+    errors = sum(1 for r in results if r.status == "failed" and r.traceback)
+    root = ET.Element("testsuites")
+    suite = ET.SubElement(
+        root,
+        "testsuite",
+        name=suite_name,
+        tests=str(len(results)),
+        failures=str(counts["failed"] - errors),
+        errors=str(errors),
+        skipped=str(counts["unsupported"]),
+        time=f"{sum(r.seconds for r in results):.3f}",
+    )
+    for r in results:
+        c = r.case
+        case_el = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"{suite_name}.{c.impl}",
+            name=c.name.split("/", 1)[1],
+            time=f"{r.seconds:.3f}",
+        )
+        if r.status == "unsupported":
+            ET.SubElement(case_el, "skipped", message=f"unsupported: {r.reason}")
+        elif r.status == "failed" and r.traceback:
+            err = ET.SubElement(case_el, "error", message=r.reason or "raised", type="exception")
+            err.text = r.traceback
+        elif r.status == "failed":
+            first = r.first_failure()
+            stage = first[1] if first else "comparison"
+            fail = ET.SubElement(case_el, "failure", message=r.reason or "", type=stage)
+            fail.text = "\n".join(
+                f"{s} vs {ref}: max_abs={t.max_abs:.3g} max_rel={t.max_rel:.3g} "
+                f"tolerance atol={t.tolerance.atol:g} rtol={t.tolerance.rtol:g}\n  "
+                + "\n  ".join(t.problems)
+                for s, per in r.stages.items()
+                for ref, t in per.items()
+                if not t.passed
+            )
+        out = ET.SubElement(case_el, "system-out")
+        out.text = "\n".join(
+            f"{s}: vs DDP max_abs={per['ddp'].max_abs:.3g} bitwise={per['ddp'].bitwise}; "
+            f"vs single max_abs={per['single'].max_abs:.3g}"
+            for s, per in r.stages.items()
+            if per["ddp"].compared
+        )
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def to_markdown(results: Sequence[CaseResult], title: str = "Conformance") -> str:
+    """The summary table as Markdown."""
+    counts = Counter(r.status for r in results)
+    lines = [
+        f"## {title}",
+        "",
+        f"{len(results)} cases: {counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['unsupported']} unsupported.",
+        "",
+        "| " + " | ".join(_COLUMNS) + " |",
+        "|" + "---|" * len(_COLUMNS),
+    ]
+    for r in results:
+        cells = _row(r)
+        cells[5] = {"passed": "✅ passed", "failed": "❌ failed", "unsupported": "➖ unsupported"}[
+            r.status
+        ]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    notes = [r for r in results if r.status != "passed" and r.reason]
+    if notes:
+        lines += ["", "| case | reason |", "|---|---|"]
+        lines += [
+            f"| {r.case.name} | {r.reason.splitlines()[0].replace('|', '/')} |" for r in notes
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def tolerance_markdown() -> str:
+    """The tolerance table as Markdown (docs/conformance.md pastes this)."""
+    lines = [
+        "| precision | vs | when | " + " | ".join(STAGES) + " | why |",
+        "|---|---|---|" + "---|" * len(STAGES) + "---|",
+    ]
+    for row in TABLE:
+        cells = []
+        for stage in STAGES:
+            t = row.stages.get(stage)
+            if t is None or (t.atol == 0 and t.rtol == 0):
+                cells.append("0")
+            else:
+                cells.append(
+                    " + ".join(
+                        x for x in (t.atol and f"{t.atol:g}", t.rtol and f"{t.rtol:g}·max") if x
+                    )
+                )
+        lines.append(
+            f"| {row.precision} | {row.reference} | {row.when} | "
+            + " | ".join(cells)
+            + f" | {row.why} |"
+        )
+    return "\n".join(lines)

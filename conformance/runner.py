@@ -1,0 +1,366 @@
+"""Running cases inside one process group, in lockstep, and turning them into results.
+
+``run_cases`` is called on every rank of an initialized process group (by the CLI, or by a test's
+ranks). Each case wraps the model through its adapter, trains it a few steps next to the cached
+references, compares every stage, and ends with a state-dict round trip. Ranks stay in lockstep:
+see Note [Lockstep]. A case's outcome is gathered from all ranks, so every rank returns the same
+``CaseResult`` list. Printing is report.py's business.
+
+Note [Lockstep]: at the end of every stage each rank all-reduces an error flag on a separate gloo
+*control* group. A rank that raises reports 1 in its next flag instead of going on; the others see
+the flag at their next stage end and stop the case too, so no rank waits in a collective its peer
+will never join. A rank already blocked inside a data collective is freed by the *data* group's
+timeout (the backstop), and reports then. After any error the data group is rebuilt, because the
+ranks may have left it with unmatched collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from conformance.adapters.base import Adapter, Unsupported, WrapRequest
+from conformance.compare import StageTally, compare, merge_tallies
+from conformance.matrix import FEATURES, PRECISIONS, Case
+from conformance.reference import (
+    FRESH_SEED,
+    REFERENCES,
+    ReferenceCache,
+    micro_batches,
+    prepare_model,
+)
+from conformance.tolerances import STAGES, tolerance
+from conformance.training import ImplTrainer, train_step
+from conformance.zoo import spec
+
+__all__ = ["CaseResult", "RunContext", "run_cases"]
+
+log = logging.getLogger("conformance")
+
+DEFAULT_STEPS = 3
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class _PeerFailed(Exception):
+    """Another rank failed in this case; this rank stops it too (see Note [Lockstep])."""
+
+
+@dataclass
+class CaseResult:
+    """The outcome of one case, the same on every rank."""
+
+    case: Case
+    status: str  # "passed" | "failed" | "unsupported"
+    reason: str | None = None  # why unsupported, or the error that failed the case
+    traceback: str | None = None  # the failing rank's traceback, when a case raised
+    stages: dict[str, dict[str, StageTally]] = field(default_factory=dict)  # stage -> ref -> tally
+    seconds: float = 0.0
+
+    def first_failure(self) -> tuple[int, str] | None:
+        """(1-based step, stage) of the earliest failed comparison, or None."""
+        found = [
+            (t.first_failed_step, STAGES.index(stage), stage)
+            for stage, per_ref in self.stages.items()
+            for t in per_ref.values()
+            if t.first_failed_step is not None
+        ]
+        if not found:
+            return None
+        step, _, stage = min(found)
+        return step, stage
+
+    def failed_stages(self) -> list[str]:
+        return [
+            s for s, per_ref in self.stages.items() if not all(t.passed for t in per_ref.values())
+        ]
+
+
+@dataclass
+class _Outcome:
+    """One rank's view of a case, gathered from every rank at the case's end."""
+
+    error: str | None = None  # traceback
+    error_summary: str | None = None  # "ExcType: message"
+    unsupported: bool = False
+    stage: str = ""
+    tallies: dict[str, dict[str, StageTally]] = field(default_factory=dict)
+
+
+class RunContext:
+    """The process groups, meshes and reference recordings shared by the cases of one run."""
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self.device = device
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        # Longer than the data group's, so that a rank freed by the data timeout still finds its
+        # peers waiting on the control group (see Note [Lockstep]).
+        self.control_group = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=2 * timeout_s + 30)
+        )
+        self.references = ReferenceCache()
+        self._new_data_group()
+
+    def _new_data_group(self) -> None:
+        self.group = dist.new_group(
+            backend=self.backend, timeout=datetime.timedelta(seconds=self.timeout_s)
+        )
+        self.mesh = DeviceMesh.from_group(self.group, self.device.type)
+        self._meshes_2d: dict[tuple[int, int], DeviceMesh] = {}
+
+    def rebuild(self) -> None:
+        """A fresh data group after a failed case (the old one may hold unmatched collectives)."""
+        log.info("rebuilding the data process group after a failed case")
+        self._new_data_group()  # recorded references stay valid: a partial one is never stored
+
+    def mesh_2d(self, replicate: int, shard: int) -> DeviceMesh:
+        if replicate * shard != self.world_size:
+            raise ValueError(
+                f"a {replicate} x {shard} mesh needs {replicate * shard} ranks, not {self.world_size}"
+            )
+        if (replicate, shard) not in self._meshes_2d:
+            ranks = torch.arange(self.world_size).view(replicate, shard)  # (replicate, shard)
+            self._meshes_2d[(replicate, shard)] = DeviceMesh(
+                self.device.type, ranks, mesh_dim_names=("replicate", "shard")
+            )
+        return self._meshes_2d[(replicate, shard)]
+
+    def flag(self, failed: bool) -> bool:
+        """All-reduce an error flag on the control group; True when any rank failed."""
+        t = torch.tensor([1.0 if failed else 0.0])
+        dist.all_reduce(t, group=self.control_group)
+        return t.item() > 0
+
+
+class _CaseRun:
+    """One case on one rank: build, train and compare, stage by stage."""
+
+    def __init__(self, ctx: RunContext, case: Case, adapter: Adapter, steps: int) -> None:
+        self.ctx, self.case, self.adapter, self.steps = ctx, case, adapter, steps
+        self.spec = spec(case.model)
+        self.feature = FEATURES[case.feature]
+        self.precision = PRECISIONS[case.precision]
+        self.outcome = _Outcome()
+        self.outcome.tallies = {
+            stage: {ref: StageTally(tolerance(case, ref, stage)) for ref in REFERENCES}
+            for stage in STAGES
+        }
+
+    def run(self) -> _Outcome:
+        out = self.outcome
+        try:
+            with self.adapter.case_context(self.case):
+                self._train()
+            self._stage_done("end")
+        except _PeerFailed:
+            pass
+        except Exception as e:  # noqa: BLE001 - a failing case must not end the run
+            out.error = traceback.format_exc()
+            out.error_summary = f"{type(e).__name__}: {e}".strip()
+            out.unsupported = isinstance(e, Unsupported) or (
+                isinstance(e, NotImplementedError) and out.stage == "wrap"
+            )
+            log.debug(
+                "rank %d: case %s raised in %s:\n%s",
+                self.ctx.rank,
+                self.case.name,
+                out.stage,
+                out.error,
+            )
+            self.ctx.flag(True)
+        return out
+
+    def _stage_done(self, stage: str) -> None:
+        if self.ctx.flag(False):
+            raise _PeerFailed(stage)
+
+    def _request(self, model: torch.nn.Module) -> WrapRequest:
+        ctx = self.ctx
+        return WrapRequest(
+            case=self.case,
+            units=self.spec.units(model),
+            group=ctx.group,
+            device=ctx.device,
+            param_dtype=self.precision.dtype,
+            backward_prefetch=self.feature.backward_prefetch,
+            forward_prefetch=self.feature.forward_prefetch,
+            cpu_offload=self.feature.cpu_offload,
+            mesh=ctx.mesh,
+            mesh_2d=ctx.mesh_2d,
+        )
+
+    def _build(self, seed: int) -> ImplTrainer:
+        model = prepare_model(self.spec, self.feature, seed, self.ctx.device, for_impl=True)
+        request = self._request(model)
+        wrapped = self.adapter.wrap(model, request)
+        return ImplTrainer(self.adapter, wrapped, request, self.spec, self.precision)
+
+    def _train(self) -> None:
+        ctx, case, out = self.ctx, self.case, self.outcome
+        out.stage = "wrap"
+        impl = self._build(seed=0)
+        self._stage_done(out.stage)
+
+        out.stage = "reference"
+        refs = ctx.references.get(case, self.steps, ctx.device, ctx.group)
+        self._stage_done(out.stage)
+
+        for step in range(self.steps):
+            out.stage = f"step {step + 1}"
+            batches = micro_batches(case, step, ctx.rank, ctx.world_size)
+            train_step(
+                impl,
+                batches,
+                self.feature,
+                self._checker(step + 1, {k: r.steps[step] for k, r in refs.items()}),
+            )
+
+        out.stage = "state_dict"
+        state_dict = impl.state_dict()
+        expected = {k: r.state_dict for k, r in refs.items()}
+        self._compare("state_dict", self.steps + 1, state_dict, expected)
+        self._stage_done(out.stage)
+        del impl
+        fresh = self._build(seed=FRESH_SEED)
+        self.adapter.load_full_state_dict(fresh.model, state_dict)
+        self._stage_done(out.stage)
+        batches = micro_batches(case, self.steps, ctx.rank, ctx.world_size)
+        train_step(
+            fresh,
+            batches,
+            self.feature,
+            self._checker(
+                self.steps + 1, {k: r.after_load for k, r in refs.items()}, into="state_dict"
+            ),
+        )
+
+    def _checker(self, step: int, expected: dict[str, dict[str, Any]], into: str | None = None):
+        """The sink for the implementation's train_step: compare each stage, then sync the ranks."""
+
+        def check(stage: str, actual: Any) -> None:
+            where = self.outcome.stage
+            self.outcome.stage = f"{where}, comparing {stage}"
+            refs = {k: e[stage] for k, e in expected.items()}
+            if stage == "loss":
+                self._compare_loss(step, actual, refs, into or stage)
+            else:
+                self._compare(into or stage, step, actual, refs)
+            self._stage_done(self.outcome.stage)
+            self.outcome.stage = where  # what runs next belongs to the step again
+
+        return check
+
+    def _compare(self, stage: str, step: int, actual: dict, expected: dict[str, dict]) -> None:
+        for ref in REFERENCES:
+            skip = frozenset()
+            if ref == "single" and self.spec.batch_coupled:
+                # BatchNorm statistics: the single process updates them once per rank's part.
+                skip = frozenset(k for k in actual if "running_" in k or "num_batches_tracked" in k)
+            tally = self.outcome.tallies[stage][ref]
+            tally.add(step, compare(actual, expected[ref], tally.tolerance, skip))
+
+    def _compare_loss(self, step: int, losses: dict, expected: dict[str, dict], stage: str) -> None:
+        tallies = self.outcome.tallies[stage]
+        tallies["ddp"].add(step, compare(losses, expected["ddp"], tallies["ddp"].tolerance))
+        # The single process saw the global batch: compare with the mean of the ranks' losses.
+        local = torch.stack([losses[k].float() for k in sorted(losses)])
+        dist.all_reduce(local, group=self.ctx.group)
+        mean = dict(zip(sorted(losses), local / self.ctx.world_size))
+        tallies["single"].add(step, compare(mean, expected["single"], tallies["single"].tolerance))
+
+
+def _merge(case: Case, outcomes: list[_Outcome], seconds: float) -> CaseResult:
+    result = CaseResult(case, "passed", seconds=seconds)
+    result.stages = {
+        stage: {ref: merge_tallies([o.tallies[stage][ref] for o in outcomes]) for ref in REFERENCES}
+        for stage in STAGES
+    }
+    errors = [(rank, o) for rank, o in enumerate(outcomes) if o.error is not None]
+    if errors:
+        if all(o.unsupported for _, o in errors):
+            result.status = "unsupported"
+            result.reason = errors[0][1].error_summary
+            return result
+
+        # The root cause first: a rank freed by the data group's timeout only reports the wait.
+        def waited(error: str | None) -> bool:
+            text = (error or "").lower()
+            return "timed out" in text or "timeout" in text
+
+        errors.sort(key=lambda ro: (waited(ro[1].error), ro[0]))
+        rank, first = errors[0]
+        result.status = "failed"
+        result.reason = f"rank {rank} raised in {first.stage}: {first.error_summary}"
+        result.traceback = "\n".join(f"--- rank {r} ({o.stage}) ---\n{o.error}" for r, o in errors)
+        return result
+    if result.failed_stages():
+        result.status = "failed"
+        step, stage = result.first_failure() or (None, result.failed_stages()[0])
+        result.reason = f"{stage} differs from the references (first at step {step})"
+    return result
+
+
+def run_cases(
+    cases: Sequence[Case],
+    adapters: Mapping[str, Adapter] | Sequence[Adapter],
+    *,
+    steps: int = DEFAULT_STEPS,
+    device: torch.device | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: Callable[[int, int, CaseResult], None] | None = None,
+) -> list[CaseResult]:
+    """Run ``cases`` on every rank of the default process group; return the same results everywhere.
+
+    Args:
+        cases: what to run; ``case.impl`` names the adapter and ``case.world_size`` must be the
+            world size. Every rank must pass the same cases in the same order.
+        adapters: adapters by name (or a list; each is keyed by its ``name``).
+        steps: optimizer steps per case before the state-dict round trip (default 3).
+        device: this rank's device (default: cpu; pass cuda:LOCAL_RANK for NCCL).
+        timeout_s: the data group's collective timeout, the backstop of Note [Lockstep].
+        progress: called on every rank after each case with (index, total, result).
+
+    Returns:
+        One CaseResult per case, in order.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("run_cases needs torch.distributed initialized on every rank")
+    by_name = dict(adapters) if isinstance(adapters, Mapping) else {a.name: a for a in adapters}
+    ctx = RunContext(device or torch.device("cpu"), timeout_s)
+    results = []
+    for index, case in enumerate(cases):
+        if case.impl not in by_name:
+            raise KeyError(
+                f"case {case.name}: no adapter named {case.impl!r} (have {sorted(by_name)})"
+            )
+        if case.world_size != ctx.world_size:
+            raise ValueError(
+                f"case {case.name} is for world size {case.world_size}, running {ctx.world_size}"
+            )
+        start = time.perf_counter()
+        adapter = by_name[case.impl]
+        reason = adapter.unsupported_reason(case)  # no collectives: every rank decides alike
+        if reason is not None:
+            result = CaseResult(case, "unsupported", reason=reason)
+        else:
+            outcome = _CaseRun(ctx, case, adapter, steps).run()
+            outcomes: list[Any] = [None] * ctx.world_size
+            dist.all_gather_object(outcomes, outcome, group=ctx.control_group)
+            result = _merge(case, outcomes, time.perf_counter() - start)
+            if result.status == "failed" and result.traceback is not None:
+                ctx.rebuild()
+        results.append(result)
+        if progress is not None:
+            progress(index, len(cases), result)
+    return results

@@ -1,0 +1,286 @@
+"""One training step, written once and run by the implementation and by both references.
+
+``train_step`` is the loop: micro-batches (all but the last under no_sync), loss scaling for fp16,
+unscale, clip, optimizer step. It hands each stage's full tensors to a ``sink``: the references'
+sink records them, the implementation's compares them. A ``Trainer`` is what the loop drives:
+``ImplTrainer`` through an adapter, ``ReplicaTrainer`` as DDP or as one process on the global batch,
+emulating FSDP's mixed precision (fp32 master weights, low-precision compute copy) when asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from conformance.adapters.base import Adapter, WrapRequest, full_tensor
+from conformance.matrix import Feature, Precision
+from conformance.zoo import ModelSpec
+
+__all__ = [
+    "GRAD_NORM_KEY",
+    "LR",
+    "MOMENTUM",
+    "ImplTrainer",
+    "ReplicaTrainer",
+    "Trainer",
+    "make_sgd",
+    "train_step",
+]
+
+# SGD with momentum, not Adam: Adam normalizes a wrongly scaled gradient away (FACTS.md).
+LR = 0.05
+MOMENTUM = 0.9
+# Small enough that tiny models' fp16 gradients never overflow, so no step is skipped.
+INIT_SCALE = 256.0
+GRAD_NORM_KEY = "(total norm)"  # the norm clip_grad_norm_ returned, compared with the grads
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]  # (input, target) parts; one part but for BatchNorm
+Sink = Callable[[str, Any], None]
+
+
+# FSDP leaves buffers (BatchNorm statistics) rank-local after init; so must DDP. torch 2.13 renamed
+# broadcast_buffers (and warns about it); the new name still syncs once at init, which is harmless
+# here because every rank builds identical buffers.
+if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+    _RANK_LOCAL_BUFFERS = {"forward_sync_buffers": False}
+else:
+    _RANK_LOCAL_BUFFERS = {"broadcast_buffers": False}
+
+
+def make_sgd(params) -> torch.optim.Optimizer:
+    # foreach=False: the same per-tensor kernels whatever the parameter type (DTensor or not).
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, foreach=False)
+
+
+class Trainer:
+    """What ``train_step`` drives; one instance per model per case."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        """Forward, loss (fp32), backward (scaled under fp16); returns the detached loss."""
+        raise NotImplementedError
+
+    def finish_backward(self) -> None:
+        """After the last backward of a step: land gradients in fp32, unscale them under fp16."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def params(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def optim_state(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+def train_step(trainer: Trainer, micro_batches: list[Batch], feature: Feature, sink: Sink) -> None:
+    """One optimizer step over ``micro_batches``; each stage's full tensors go to ``sink``."""
+    losses = {}
+    for i, batch in enumerate(micro_batches):
+        is_last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if is_last else trainer.no_sync():
+            losses[f"micro-batch {i}"] = trainer.forward_backward(batch)
+    sink("loss", losses)
+    trainer.finish_backward()
+    norm = None
+    if feature.clip_grad_norm is not None:
+        norm = full_tensor(trainer.clip_grad_norm_(feature.clip_grad_norm)).detach().float()
+    grads = trainer.grads()
+    if norm is not None:
+        grads[GRAD_NORM_KEY] = norm.reshape(())
+    sink("grads", grads)
+    trainer.step()
+    sink("params", trainer.params())
+    sink("optim_state", trainer.optim_state())
+
+
+def _flat_optim_state(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {f"{name}:{key}": t for name, per in state.items() for key, t in per.items()}
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    return [(x.to(device), y.to(device)) for x, y in batch]
+
+
+class ImplTrainer(Trainer):
+    """The implementation under test, through its adapter."""
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        model: nn.Module,
+        request: WrapRequest,
+        spec: ModelSpec,
+        precision: Precision,
+    ) -> None:
+        self.adapter, self.model, self.spec = adapter, model, spec
+        self.device = request.device
+        self.optim = adapter.make_optimizer(model, make_sgd)
+        self.scaler = (
+            adapter.make_grad_scaler(model, request, INIT_SCALE) if precision.grad_scaler else None
+        )
+
+    def no_sync(self):
+        return self.adapter.no_sync(self.model)
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        ((x, y),) = _to(batch, self.device)  # ranks get one part each
+        loss = self.spec.compute_loss(self.model(x), y)
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss.detach()
+
+    def finish_backward(self) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optim)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.adapter.clip_grad_norm_(self.model, max_norm)
+
+    def step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optim)
+            self.scaler.update()
+        else:
+            self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+
+    def grads(self):
+        return self.adapter.full_grads(self.model)
+
+    def params(self):
+        return self.adapter.full_params(self.model)
+
+    def optim_state(self):
+        state = _flat_optim_state(self.adapter.full_optim_state(self.model, self.optim))
+        if self.scaler is not None:
+            state["(grad scaler):scale"] = torch.as_tensor(self.scaler.get_scale()).float()
+        return state
+
+    def state_dict(self):
+        return self.adapter.full_state_dict(self.model)
+
+
+class ReplicaTrainer(Trainer):
+    """A reference: DDP over ``group`` (``group`` given) or a single process (``group`` None).
+
+    Under mixed precision it does what FSDP's MixedPrecision does, with whole tensors: the
+    optimizer steps fp32 master weights; forward and backward run on a copy cast to the low
+    dtype (float inputs cast too); gradients are reduced in the low dtype (DDP over the copy) and
+    cast to fp32 for the step. torch's own DDP mixed precision needs CUDA events, so not used.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        precision: Precision,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.spec, self.device, self.dtype = spec, device, precision.dtype
+        self.master = model
+        self.compute = copy.deepcopy(model).to(self.dtype) if self.dtype else model
+        if group is None:
+            self.runner: nn.Module = self.compute
+        else:
+            self.runner = DistributedDataParallel(
+                self.compute,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=group,
+                **_RANK_LOCAL_BUFFERS,
+            )
+        self.optim = make_sgd(self.master.parameters())
+        self.scaler = (
+            torch.amp.GradScaler(device.type, init_scale=INIT_SCALE)
+            if precision.grad_scaler
+            else None
+        )
+
+    def no_sync(self):
+        if isinstance(self.runner, DistributedDataParallel):
+            return self.runner.no_sync()
+        return contextlib.nullcontext()  # one process: nothing to synchronize
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        losses = []
+        for x, y in _to(batch, self.device):
+            if self.dtype is not None and x.is_floating_point():
+                x = x.to(self.dtype)  # FSDP casts the root's floating-point inputs too
+            losses.append(self.spec.compute_loss(self.runner(x), y))
+        # Several parts: the mean of the parts' losses, as DDP's mean over ranks.
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss.detach()
+
+    def finish_backward(self) -> None:
+        if self.dtype is not None:
+            with torch.no_grad():
+                for master, low in zip(self.master.parameters(), self.compute.parameters()):
+                    master.grad = None if low.grad is None else low.grad.float()
+                    low.grad = None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optim)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.master.parameters(), max_norm)
+
+    def step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optim)
+            self.scaler.update()
+        else:
+            self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        if self.dtype is not None:
+            with torch.no_grad():
+                for master, low in zip(self.master.parameters(), self.compute.parameters()):
+                    low.copy_(master)  # the next forward's low-precision weights
+
+    def grads(self):
+        return {
+            n: None if p.grad is None else p.grad.detach().clone()
+            for n, p in self.master.named_parameters()
+        }
+
+    def params(self):
+        return {n: p.detach().clone() for n, p in self.master.named_parameters()}
+
+    def optim_state(self):
+        state = {
+            n: {
+                k: v.detach().clone() for k, v in self.optim.state.get(p, {}).items() if v.dim() > 0
+            }
+            for n, p in self.master.named_parameters()
+        }
+        flat = _flat_optim_state({n: s for n, s in state.items() if s})
+        if self.scaler is not None:
+            flat["(grad scaler):scale"] = torch.as_tensor(self.scaler.get_scale()).float()
+        return flat
+
+    def state_dict(self):
+        sd = {k: v.detach().clone() for k, v in self.master.state_dict().items()}
+        if self.dtype is not None:
+            # Buffers live (and are updated) on the compute copy; checkpoints keep full precision.
+            for k, v in self.compute.named_buffers():
+                if k in sd:
+                    sd[k] = v.detach().to(sd[k].dtype).clone()
+        return sd
