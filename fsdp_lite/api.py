@@ -140,12 +140,15 @@ class Rules:
 
     shard_params: parameters at rest are 1/N shards (otherwise every rank holds them whole).
     reshard_after_forward: free the unsharded parameters after forward and all-gather again in backward.
-    grad_reduce: the collective that averages gradients across ranks.
+    grad_reduce: the collective that averages gradients across the shard group.
+    replicate: the shard group is one of several replicas; gradients are then all-reduced across
+        them (HYBRID_SHARD), and parameters are sharded only within the shard group.
     """
 
     shard_params: bool
     reshard_after_forward: bool
     grad_reduce: str  # "reduce_scatter" | "all_reduce"
+    replicate: bool = False
 
 
 # ZeRO (arXiv 1910.02054): stage 3 = P_os+g+p, stage 2 = P_os+g; NO_SHARD is plain data parallelism.
@@ -158,5 +161,13 @@ STRATEGY_RULES: dict[ShardingStrategy, Rules] = {
     ),
     ShardingStrategy.NO_SHARD: Rules(
         shard_params=False, reshard_after_forward=False, grad_reduce="all_reduce"
+    ),
+    # Shard within a group (e.g. a node), replicate across groups: ZeRO-3 / ZeRO-2 traffic stays
+    # inside the group, and only the 1/N gradient shard crosses groups.
+    ShardingStrategy.HYBRID_SHARD: Rules(
+        shard_params=True, reshard_after_forward=True, grad_reduce="reduce_scatter", replicate=True
+    ),
+    ShardingStrategy._HYBRID_SHARD_ZERO2: Rules(
+        shard_params=True, reshard_after_forward=False, grad_reduce="reduce_scatter", replicate=True
     ),
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_lite import collectives, wrap
 from fsdp_lite.api import (
@@ -52,8 +53,9 @@ class UnitConfig:
 
     strategy: ShardingStrategy
     rules: Rules
-    group: dist.ProcessGroup
-    mesh: DeviceMesh
+    group: dist.ProcessGroup  # the shard group: parameters are cut into its size
+    mesh: DeviceMesh  # 1-D (shard) or, for HYBRID_SHARD, 2-D (replicate, shard)
+    replicate_group: dist.ProcessGroup | None  # HYBRID_SHARD: the same shard on other groups
     device: torch.device
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
@@ -529,16 +531,25 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         )
 
     group, mesh_given = kw["process_group"], kw["device_mesh"]
+    hybrid = STRATEGY_RULES[strategy].replicate
     if isinstance(group, tuple):
-        raise NotImplementedError(
-            "process_group=(shard, replicate) for HYBRID_SHARD is not built yet (#5)"
-        )
-    _check_type("process_group", group, dist.ProcessGroup)
+        if not hybrid:
+            raise ValueError(
+                f"a (shard, replicate) process_group tuple needs HYBRID_SHARD, not {strategy.name}"
+            )
+        if len(group) != 2:
+            raise ValueError("process_group tuple must be (shard_group, replicate_group)")
+        for g in group:
+            _check_type("process_group[i]", g, dist.ProcessGroup, allow_none=False)
+    else:
+        _check_type("process_group", group, dist.ProcessGroup)
     _check_type("device_mesh", mesh_given, DeviceMesh)
     if group is not None and mesh_given is not None:
         raise ValueError("pass process_group or device_mesh, not both")
-    if mesh_given is not None and mesh_given.ndim != 1:
-        raise NotImplementedError("a 2-D device_mesh (HYBRID_SHARD) is not built yet (issue #5)")
+    if mesh_given is not None and mesh_given.ndim != (2 if hybrid else 1):
+        raise ValueError(
+            f"{strategy.name} needs a {2 if hybrid else 1}-D device_mesh, got {mesh_given.ndim}-D"
+        )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "FullyShardedModule needs torch.distributed initialized first: "
@@ -546,7 +557,11 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         )
 
     device = _resolve_device(module, kw["device_id"])
-    if mesh_given is not None:
+    replicate_group = None
+    if hybrid:
+        mesh = mesh_given if mesh_given is not None else _hybrid_mesh(group, device)
+        replicate_group, group = mesh.get_group(0), mesh.get_group(1)
+    elif mesh_given is not None:
         mesh, group = mesh_given, mesh_given.get_group()
     else:
         group = group or dist.group.WORLD
@@ -560,6 +575,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         rules=STRATEGY_RULES[strategy],
         group=group,
         mesh=mesh,
+        replicate_group=replicate_group,
         device=device,
         backward_prefetch=kw["backward_prefetch"],
         forward_prefetch=kw["forward_prefetch"],
@@ -588,12 +604,45 @@ def _apply_overrides(
     _check_type("sharding_strategy", strategy, ShardingStrategy)
     if strategy not in STRATEGY_RULES:
         raise NotImplementedError(f"sharding_strategy={strategy.name} is not built yet (#5)")
+    if STRATEGY_RULES[strategy].replicate != config.rules.replicate:
+        raise NotImplementedError(
+            f"a unit with {strategy.name} under a root with {config.strategy.name}: mixing hybrid "
+            "and non-hybrid units needs another process group layout (not built)"
+        )
     _check_type("mixed_precision", mixed_precision, MixedPrecision)
     return dataclasses.replace(
         config,
         strategy=strategy,
         rules=STRATEGY_RULES[strategy],
         precision=resolve(mixed_precision),
+    )
+
+
+def _hybrid_mesh(groups: tuple | None, device: torch.device) -> DeviceMesh:
+    """The (replicate, shard) mesh for HYBRID_SHARD from a group tuple, or by default one shard
+    group per node (LOCAL_WORLD_SIZE ranks, as torch FSDP1 shards within a node)."""
+    world_size = dist.get_world_size()
+    if groups is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if world_size % local:
+            raise ValueError(f"world size {world_size} is not a multiple of {local} ranks per node")
+        return init_device_mesh(
+            device.type, (world_size // local, local), mesh_dim_names=("replicate", "shard")
+        )
+    shard_group, replicate_group = groups
+    # Every rank says where it sits; the mesh tensor is the same on all ranks.
+    me = (dist.get_rank(replicate_group), dist.get_rank(shard_group), dist.get_rank())
+    seats = collectives.all_gather_objects(me)
+    layout = torch.empty(
+        dist.get_world_size(replicate_group), dist.get_world_size(shard_group), dtype=torch.int
+    )
+    for replica, shard, global_rank in seats:
+        layout[replica, shard] = global_rank
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group],
+        device.type,
+        mesh=layout,
+        mesh_dim_names=("replicate", "shard"),
     )
 
 
@@ -652,30 +701,42 @@ def _check_same_model_across_ranks(module: nn.Module, config: UnitConfig) -> Non
     Mismatched models would otherwise give collectives of different sizes, which hang or corrupt.
     """
     mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
-    everyone = collectives.all_gather_objects(mine, group=config.group)
-    reference = everyone[0]
+    for group in _data_parallel_groups(config):
+        _compare_across(mine, group)
+
+
+def _data_parallel_groups(config: UnitConfig) -> list[dist.ProcessGroup]:
+    # Shard group first, then replicas: after both, every rank agrees with global rank 0.
+    return [config.group] + ([config.replicate_group] if config.replicate_group else [])
+
+
+def _compare_across(mine: list, group: dist.ProcessGroup) -> None:
+    everyone = collectives.all_gather_objects(mine, group=group)
+    reference, first = everyone[0], dist.get_global_rank(group, 0)
     for rank, theirs in enumerate(everyone[1:], start=1):
+        rank = dist.get_global_rank(group, rank)
         if theirs == reference:
             continue
         if len(theirs) != len(reference):
             raise ValueError(
-                f"ranks built different models: rank 0 has {len(reference)} parameters, "
+                f"ranks built different models: rank {first} has {len(reference)} parameters, "
                 f"rank {rank} has {len(theirs)}"
             )
         for ref, other in zip(reference, theirs):
             if ref != other:
                 raise ValueError(
                     "ranks built different models: parameter "
-                    f"{ref[0]!r} is {ref[1]} {ref[2]} on rank 0 but {other[0]!r} is "
+                    f"{ref[0]!r} is {ref[1]} {ref[2]} on rank {first} but {other[0]!r} is "
                     f"{other[1]} {other[2]} on rank {rank}"
                 )
 
 
 def _broadcast_module_states(module: nn.Module, config: UnitConfig) -> None:
-    source = dist.get_global_rank(config.group, 0)
     with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor.data, src=source, group=config.group)
+        for group in _data_parallel_groups(config):
+            source = dist.get_global_rank(group, 0)
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor.data, src=source, group=group)
 
 
 def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
@@ -727,7 +788,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
         )
         for p in ordered
     ]
-    unit = ShardedUnit(params, config.group, config.rules, config.precision)
+    unit = ShardedUnit(params, config.group, config.rules, config.precision, config.replicate_group)
     # Buffers live whole on every rank; under mixed precision they compute in buffer_dtype.
     # The original dtypes are kept so that state dicts can hand them back in full precision.
     unit.buffer_dtypes = {

@@ -32,7 +32,7 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["ShardedParam", "free_storage", "alloc_storage"]
 
@@ -144,7 +144,8 @@ class ShardedParam:
         return DTensor.from_local(
             local,
             self.mesh,
-            [Shard(0)],
+            # HYBRID_SHARD's 2-D (replicate, shard) mesh: the same shard on every replica.
+            [Replicate(), Shard(0)] if self.mesh.ndim == 2 else [Shard(0)],
             run_check=False,
             shape=self.orig_size,
             stride=torch.empty(self.orig_size, device="meta").stride(),

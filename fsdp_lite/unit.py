@@ -60,6 +60,7 @@ class ShardedUnit:
         group: dist.ProcessGroup,
         rules: Rules,
         precision: Precision | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.name = ""
         self.params = params
@@ -69,6 +70,7 @@ class ShardedUnit:
         self.world_size = dist.get_world_size(group)
         self.rules = rules
         self.precision = precision or Precision()
+        self.replicate_group = replicate_group  # HYBRID_SHARD: reduce across replicas too
         self.buffer_dtypes: dict[tuple[object, str], torch.dtype] = {}  # (module, name) -> original
         self.is_root = False
         self.trace = None
@@ -194,7 +196,8 @@ class ShardedUnit:
         # had each gradient. See Note [Unused parameters].
         had_grad = torch.tensor([float(g is not None) for g in grads], dtype=filled[0].dtype)
         filled.append(had_grad.to(filled[0].device).expand(self.world_size, -1).contiguous())
-        pre, post = collectives.grad_divide_factors(self.world_size)
+        replicas = dist.get_world_size(self.replicate_group) if self.replicate_group else 1
+        pre, post = collectives.grad_divide_factors(self.world_size * replicas)
         if self.rules.grad_reduce == "reduce_scatter":
             numel = sum(p.shard_numel for p in self.trainable) + len(self.trainable)
             # The copy-in casts to reduce_dtype; dividing after the cast is what torch FSDP does.
@@ -224,6 +227,10 @@ class ShardedUnit:
         result, post = pending
         if result.work is not None:
             result.work.wait()
+        if self.replicate_group is not None:
+            # HYBRID_SHARD: every replica holds the same 1/N slice; sum it across them.
+            self._record("all_reduce", "backward", result.output)
+            collectives.all_reduce(result.output, self.replicate_group)
         if post != 1.0:
             result.output.div_(post)
         ranks_with_grad = result.output[-len(self.trainable) :]  # > 0 where any rank had one

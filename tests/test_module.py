@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdp_lite import CPUOffload, MixedPrecision, ShardingStrategy
@@ -33,10 +34,14 @@ BAD_INPUT = {
         TypeError,
         "sharding_strategy must be ShardingStrategy",
     ),
-    "hybrid_not_built": (
-        lambda m, g: FSDP(m, sharding_strategy=ShardingStrategy.HYBRID_SHARD),
-        NotImplementedError,
-        "HYBRID_SHARD",
+    "hybrid_with_1d_mesh": (
+        lambda m, g: FSDP(
+            m,
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            device_mesh=DeviceMesh.from_group(g, "cpu"),
+        ),
+        ValueError,
+        "HYBRID_SHARD needs a 2-D device_mesh, got 1-D",
     ),
     "cpu_offload_not_built": (
         lambda m, g: FSDP(m, cpu_offload=CPUOffload(offload_params=True)),
@@ -84,10 +89,10 @@ BAD_INPUT = {
         TypeError,
         "process_group must be ProcessGroup",
     ),
-    "hybrid_group_tuple_not_built": (
+    "group_tuple_without_hybrid": (
         lambda m, g: FSDP(m, process_group=(g, g)),
-        NotImplementedError,
-        "HYBRID_SHARD",
+        ValueError,
+        "a (shard, replicate) process_group tuple needs HYBRID_SHARD, not FULL_SHARD",
     ),
     "already_wrapped": (lambda m, g: FSDP(FSDP(m)), ValueError, "already a FullyShardedModule"),
 }
