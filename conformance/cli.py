@@ -16,7 +16,6 @@ import os
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 from collections.abc import Sequence
 
@@ -104,31 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run this module on ``args.nproc`` local ranks with torch's elastic launcher, as torchrun does."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    """Run this module on ``args.nproc`` local ranks; rank 0 leaves the exit status in a file."""
+    from fsdp_lite.launch import launch_module
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc,
-        run_id=f"conformance_{uuid.uuid4().hex[:8]}",
-        # Port 0: the c10d rendezvous binds a free port itself (what torchrun --standalone does).
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,  # a crashed rank would only crash again
-        monitor_interval=0.1,
-    )
-    # Ranks inherit the environment: one thread each, or N ranks fight over the cores.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
         status_file = os.path.join(tmp, "status.json")
-        try:
-            elastic_launch(config, sys.executable)(
-                "-m", "conformance", *argv, "--status-file", status_file
-            )
-        except ChildFailedError as e:
-            print(f"conformance: a rank crashed (its traceback is above)\n{e}", file=sys.stderr)
+        if not launch_module("conformance", [*argv, "--status-file", status_file], args.nproc):
             return 1
         try:
             with open(status_file) as f:

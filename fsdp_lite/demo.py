@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -31,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from conformance.models import Block, GPTConfig, TinyLM
 from fsdp_lite import FullyShardedDataParallel, ShardingStrategy
 from fsdp_lite.collectives import all_gather_objects
+from fsdp_lite.launch import launch_module
 from fsdp_lite.trace import record_collectives
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 
@@ -110,29 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run this module on ``args.nproc`` local ranks with torch's elastic launcher, as torchrun does."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc,
-        run_id=f"fsdp_lite_demo_{uuid.uuid4().hex[:8]}",
-        # Port 0: the c10d rendezvous binds a free port itself (what torchrun --standalone does).
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,  # a failed rank fails the job; a restart would only fail again
-        monitor_interval=0.1,
-    )
-    # Ranks inherit the environment: one thread each, or N ranks fight over the cores.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        elastic_launch(config, sys.executable)("-m", "fsdp_lite.demo", *argv)
-    except ChildFailedError as e:
-        print(f"fsdp_lite.demo: a rank failed (its traceback is above)\n{e}", file=sys.stderr)
-        return 1
-    return 0
+    """Run this module on ``args.nproc`` local ranks."""
+    return 0 if launch_module("fsdp_lite.demo", argv, args.nproc) else 1
 
 
 # ---- one rank ----------------------------------------------------------------------------------
