@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_lite import collectives, wrap
+from fsdp_lite import collectives, offload, wrap
 from fsdp_lite.api import (
     STRATEGY_RULES,
     BackwardPrefetch,
@@ -56,6 +56,7 @@ class UnitConfig:
     group: dist.ProcessGroup  # the shard group: parameters are cut into its size
     mesh: DeviceMesh  # 1-D (shard) or, for HYBRID_SHARD, 2-D (replicate, shard)
     replicate_group: dist.ProcessGroup | None  # HYBRID_SHARD: the same shard on other groups
+    storage_device: torch.device  # where shards, grads and optimizer state live (offload.py)
     device: torch.device
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
@@ -71,7 +72,8 @@ class FullyShardedModule(nn.Module):
         module: the module to wrap; its parameters are replaced by 1/N shards.
         process_group: the ranks to shard over (default: the default process group).
         sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP or NO_SHARD.
-        cpu_offload: only ``CPUOffload(offload_params=False)`` for now.
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps sharded params, their grads and
+            the optimizer step in CPU memory (not with NO_SHARD).
         auto_wrap_policy: chooses submodules that become units of their own (see fsdp_lite.wrap).
         backward_prefetch: when to start the next unit's all-gather in backward (default BACKWARD_PRE).
         mixed_precision: dtypes for the unsharded params, gradient reduction and buffers
@@ -508,10 +510,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
             f"supported: {', '.join(s.name for s in STRATEGY_RULES)}"
         )
     _check_type("cpu_offload", kw["cpu_offload"], CPUOffload)
-    if kw["cpu_offload"] is not None and kw["cpu_offload"].offload_params:
-        raise NotImplementedError(
-            "cpu_offload=CPUOffload(offload_params=True) is not built yet (#5)"
-        )
+    offload_params = _check_offload(kw["cpu_offload"], strategy)
     _check_type("mixed_precision", kw["mixed_precision"], MixedPrecision)
     precision = resolve(kw["mixed_precision"])
     if kw["param_init_fn"] is not None:
@@ -576,6 +575,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         group=group,
         mesh=mesh,
         replicate_group=replicate_group,
+        storage_device=offload.storage_device(device, offload_params),
         device=device,
         backward_prefetch=kw["backward_prefetch"],
         forward_prefetch=kw["forward_prefetch"],
@@ -596,10 +596,6 @@ def _apply_overrides(
     auto-wrap passes the root's values explicitly, so ``mixed_precision=None`` here means a
     policy asked for full precision (as for BatchNorm), not "unset".
     """
-    if cpu_offload is not None and cpu_offload.offload_params:
-        raise NotImplementedError(
-            "cpu_offload=CPUOffload(offload_params=True) is not built yet (#5)"
-        )
     strategy = sharding_strategy or config.strategy
     _check_type("sharding_strategy", strategy, ShardingStrategy)
     if strategy not in STRATEGY_RULES:
@@ -610,12 +606,22 @@ def _apply_overrides(
             "and non-hybrid units needs another process group layout (not built)"
         )
     _check_type("mixed_precision", mixed_precision, MixedPrecision)
+    _check_type("cpu_offload", cpu_offload, CPUOffload)
+    offload_params = _check_offload(cpu_offload, strategy)
     return dataclasses.replace(
         config,
         strategy=strategy,
         rules=STRATEGY_RULES[strategy],
         precision=resolve(mixed_precision),
+        storage_device=offload.storage_device(config.device, offload_params),
     )
+
+
+def _check_offload(cpu_offload: CPUOffload | None, strategy: ShardingStrategy) -> bool:
+    offload_params = cpu_offload is not None and cpu_offload.offload_params
+    if offload_params and not STRATEGY_RULES[strategy].shard_params:
+        raise NotImplementedError("cpu_offload with NO_SHARD is not built (shard the params)")
+    return offload_params
 
 
 def _hybrid_mesh(groups: tuple | None, device: torch.device) -> DeviceMesh:
@@ -785,6 +791,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
             world_size,
             shard=config.rules.shard_params,
             compute_dtype=config.precision.param_dtype,
+            storage_device=config.storage_device,
         )
         for p in ordered
     ]

@@ -34,6 +34,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp_lite import offload
+
 __all__ = ["ShardedParam", "free_storage", "alloc_storage"]
 
 
@@ -79,6 +81,7 @@ class ShardedParam:
         world_size: int,
         shard: bool,
         compute_dtype: torch.dtype | None = None,
+        storage_device: torch.device | None = None,
     ) -> None:
         if shard and orig_param.dim() == 0:
             raise NotImplementedError(
@@ -120,7 +123,9 @@ class ShardedParam:
         self.padded_numel = self.shard_numel * world_size
 
         data = orig_param.detach()
-        self.sharded_flat = data.new_zeros(self.shard_numel)
+        # The shard lives on storage_device (CPU under CPUOffload); forward runs on data's device.
+        storage = storage_device or data.device
+        self.sharded_flat = offload.new_shard(self.shard_numel, data.dtype, storage, data.device)
         start = rank * self.shard_rows
         self.local_numel = self.local_rows * row_numel
         self.sharded_flat[: self.local_numel].copy_(
@@ -171,6 +176,7 @@ class ShardedParam:
         across backwards without ``no_sync``) is added to.
         """
         local = reduce_scatter_output_slice[: self.local_numel]
+        local = offload.to_device(local, self.sharded_flat.device)
         if not keep_dtype:
             local = local.to(self.sharded_flat.dtype)
         elif local.dtype != self.sharded_flat.dtype:

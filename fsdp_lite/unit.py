@@ -20,13 +20,18 @@ from enum import Enum, auto
 import torch
 import torch.distributed as dist
 
-from fsdp_lite import collectives
+from fsdp_lite import collectives, offload
 from fsdp_lite.api import Rules
 from fsdp_lite.collectives import AllGatherResult, ReduceResult
 from fsdp_lite.mixed_precision import Precision
 from fsdp_lite.param import ShardedParam
 
 __all__ = ["ShardedState", "ShardedUnit", "TrainingState"]
+
+
+def _grad_dtype(p: ShardedParam) -> torch.dtype:
+    """The dtype autograd gives this parameter's gradient: that of the copy forward ran on."""
+    return (p.unsharded_flat if p.unsharded_flat is not None else p.sharded_flat).dtype
 
 
 class ShardedState(Enum):
@@ -71,6 +76,12 @@ class ShardedUnit:
         self.rules = rules
         self.precision = precision or Precision()
         self.replicate_group = replicate_group  # HYBRID_SHARD: reduce across replicas too
+        # Where collectives and compute run; shards may live elsewhere (see offload.py).
+        self.compute_device = (
+            params[0].unsharded_flat.device
+            if params and params[0].unsharded_flat is not None
+            else (params[0].sharded_flat.device if params else torch.device("cpu"))
+        )
         self.buffer_dtypes: dict[tuple[object, str], torch.dtype] = {}  # (module, name) -> original
         self.is_root = False
         self.trace = None
@@ -114,9 +125,10 @@ class ShardedUnit:
         all_gather_input = torch.empty(
             self.unit_shard_numel,
             dtype=self.params[0].unsharded_flat.dtype,  # param_dtype: cast once, on 1/N
-            device=self.params[0].sharded_flat.device,
+            device=self.compute_device,
         )  # 1D, unit_shard_numel
-        collectives.all_gather_copy_in([p.sharded_flat for p in self.params], all_gather_input)
+        shards = [offload.to_device(p.sharded_flat, self.compute_device) for p in self.params]
+        collectives.all_gather_copy_in(shards, all_gather_input)
         for p in self.params:
             p.alloc_unsharded()
         self._record("all_gather", phase, all_gather_input)
@@ -188,7 +200,9 @@ class ShardedUnit:
             return
         grads = self.unsharded_grads()
         filled = [
-            g if g is not None else p.sharded_flat.new_zeros(p.orig_size)
+            g
+            if g is not None
+            else torch.zeros(p.orig_size, dtype=_grad_dtype(p), device=self.compute_device)
             for g, p in zip(grads, self.trainable)
         ]
         reduce_dtype = self.precision.reduce_dtype or filled[0].dtype
@@ -269,7 +283,7 @@ class ShardedUnit:
         (full precision) and leaves the step's unsharded params alone. With ``keep`` False this
         rank only takes part (rank0_only on the other ranks); ``device`` defaults to the shards'.
         """
-        all_gather_input = torch.cat(sharded_flats)  # 1D, unit_shard_numel
+        all_gather_input = offload.to_device(torch.cat(sharded_flats), self.compute_device)
         self._record("all_gather", phase, all_gather_input)
         result = collectives.all_gather(all_gather_input, self.group)
         if not keep:

@@ -43,10 +43,19 @@ BAD_INPUT = {
         ValueError,
         "HYBRID_SHARD needs a 2-D device_mesh, got 1-D",
     ),
-    "cpu_offload_not_built": (
-        lambda m, g: FSDP(m, cpu_offload=CPUOffload(offload_params=True)),
+    "cpu_offload_with_no_shard_not_built": (
+        lambda m, g: FSDP(
+            m,
+            sharding_strategy=ShardingStrategy.NO_SHARD,
+            cpu_offload=CPUOffload(offload_params=True),
+        ),
         NotImplementedError,
-        "cpu_offload",
+        "cpu_offload with NO_SHARD",
+    ),
+    "cpu_offload_wrong_type": (
+        lambda m, g: FSDP(m, cpu_offload=True),
+        TypeError,
+        "cpu_offload must be CPUOffload",
     ),
     "mixed_precision_integer_dtype": (
         lambda m, g: FSDP(m, mixed_precision=MixedPrecision(param_dtype=torch.int32)),
