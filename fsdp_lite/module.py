@@ -57,6 +57,8 @@ class UnitConfig:
     mesh: DeviceMesh  # 1-D (shard) or, for HYBRID_SHARD, 2-D (replicate, shard)
     replicate_group: dist.ProcessGroup | None  # HYBRID_SHARD: the same shard on other groups
     storage_device: torch.device  # where shards, grads and optimizer state live (offload.py)
+    param_init_fn: Callable[[nn.Module], None] | None  # for meta-device modules
+    sync_module_states: bool
     device: torch.device
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
@@ -135,8 +137,10 @@ class FullyShardedModule(nn.Module):
             _move_to_device(module, _config)
             # Collectives start here; everything above fails locally, before any rank can hang.
             _check_same_model_across_ranks(module, _config)
-            if sync_module_states:
-                _broadcast_module_states(module, _config)
+            if sync_module_states and not _has_meta(list(module.modules())):
+                _broadcast_module_states(
+                    module, _config
+                )  # meta modules: per unit, see _materialize
             if auto_wrap_policy is not None:
                 if mixed_precision is not None:
                     for m in module.modules():
@@ -513,8 +517,8 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
     offload_params = _check_offload(kw["cpu_offload"], strategy)
     _check_type("mixed_precision", kw["mixed_precision"], MixedPrecision)
     precision = resolve(kw["mixed_precision"])
-    if kw["param_init_fn"] is not None:
-        raise NotImplementedError("param_init_fn is not built yet (issue #5)")
+    if kw["param_init_fn"] is not None and not callable(kw["param_init_fn"]):
+        raise TypeError(f"param_init_fn must be callable, got {type(kw['param_init_fn']).__name__}")
     policy = kw["auto_wrap_policy"]
     if policy is not None and not (callable(policy) or isinstance(policy, wrap.Policy)):
         raise TypeError(
@@ -524,10 +528,6 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
     _check_type("backward_prefetch", kw["backward_prefetch"], BackwardPrefetch)
     for flag in ("sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params"):
         _check_type(flag, kw[flag], bool, allow_none=False)
-    if any(p.is_meta for p in module.parameters()):
-        raise NotImplementedError(
-            "modules with parameters on the meta device are not built yet (#5)"
-        )
 
     group, mesh_given = kw["process_group"], kw["device_mesh"]
     hybrid = STRATEGY_RULES[strategy].replicate
@@ -576,6 +576,8 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         mesh=mesh,
         replicate_group=replicate_group,
         storage_device=offload.storage_device(device, offload_params),
+        param_init_fn=kw["param_init_fn"],
+        sync_module_states=kw["sync_module_states"],
         device=device,
         backward_prefetch=kw["backward_prefetch"],
         forward_prefetch=kw["forward_prefetch"],
@@ -654,10 +656,17 @@ def _hybrid_mesh(groups: tuple | None, device: torch.device) -> DeviceMesh:
 
 def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
     if device_id is None:
-        devices = {p.device for p in module.parameters()}
+        devices = {p.device for p in module.parameters() if not p.is_meta}
         if len(devices) > 1:
             raise ValueError(f"module has parameters on several devices {devices}; pass device_id")
-        return devices.pop() if devices else torch.device("cpu")
+        if devices:
+            return devices.pop()
+        # Nothing materialized (or no params): the current accelerator if there is one.
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
         raise TypeError(f"device_id must be an int or torch.device, got {type(device_id).__name__}")
     if isinstance(device_id, int):
@@ -697,6 +706,8 @@ def _resolve_ignored(
 
 
 def _move_to_device(module: nn.Module, config: UnitConfig) -> None:
+    if _has_meta(list(module.modules())):
+        return  # materialized on config.device unit by unit (_materialize)
     if any(p.device != config.device for p in module.parameters()):
         module.to(config.device)
 
@@ -777,6 +788,8 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
                 f"parameter {_clean_name(name)!r} is shared with a nested unit "
                 f"({nested_params[id(param)].fqn!r}); put the modules sharing it in one unit"
             )
+    if _has_meta(own_modules):
+        locations, names = _materialize(own_modules, locations, names, config)
     # ``names`` is in registration (pre-order) order, so the flat layout is the same on every rank.
     ordered = list(names)
     rank = dist.get_rank(config.group)
@@ -807,6 +820,59 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
     for m in own_modules:
         cast_buffers(m, config.precision.buffer_dtype, skip=(FullyShardedModule,), recurse=False)
     return unit
+
+
+def _has_meta(modules: list[nn.Module]) -> bool:
+    return any(
+        t is not None and t.is_meta
+        for m in modules
+        for t in (*m._parameters.values(), *m._buffers.values())
+    )
+
+
+def _materialize(
+    own_modules: list[nn.Module],
+    locations: dict[nn.Parameter, list[tuple[nn.Module, str]]],
+    names: dict[nn.Parameter, str],
+    config: UnitConfig,
+) -> tuple[dict, dict]:
+    """Allocate and initialize this unit's meta-device params and buffers, just before sharding.
+
+    Units are built children first, so only one unit is ever unsharded in memory: the model is
+    never whole on one rank. A tied parameter gets one tensor for all its places (``to_empty``
+    would untie it). ``param_init_fn(module)`` initializes, else ``module.reset_parameters()``;
+    with ``sync_module_states`` rank 0's values are then broadcast.
+    """
+    touched = [m for m in own_modules if _has_meta([m])]
+    real_locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    real_names: dict[nn.Parameter, str] = {}
+    for param, where in locations.items():
+        real = param
+        if param.is_meta:
+            real = nn.Parameter(
+                torch.empty_like(param, device=config.device), requires_grad=param.requires_grad
+            )
+            for m, attr in where:
+                m._parameters[attr] = real
+        real_locations[real], real_names[real] = where, names[param]
+    for m in touched:
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.is_meta:
+                m._buffers[name] = torch.empty_like(buf, device=config.device)
+    with torch.no_grad():
+        for m in touched:
+            if config.param_init_fn is not None:
+                config.param_init_fn(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        if config.sync_module_states:
+            for group in _data_parallel_groups(config):
+                source = dist.get_global_rank(group, 0)
+                for m in touched:
+                    for t in (*m._parameters.values(), *m._buffers.values()):
+                        if t is not None:
+                            dist.broadcast(t.data, src=source, group=group)
+    return real_locations, real_names
 
 
 def _clean_name(name: str) -> str:

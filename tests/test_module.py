@@ -62,10 +62,10 @@ BAD_INPUT = {
         TypeError,
         "MixedPrecision.param_dtype must be a floating torch.dtype",
     ),
-    "param_init_fn_not_built": (
-        lambda m, g: FSDP(m, param_init_fn=lambda module: None),
-        NotImplementedError,
-        "param_init_fn",
+    "param_init_fn_not_callable": (
+        lambda m, g: FSDP(m, param_init_fn=3),
+        TypeError,
+        "param_init_fn must be callable",
     ),
     "policy_not_callable": (
         lambda m, g: FSDP(m, auto_wrap_policy=5),
