@@ -45,6 +45,12 @@ class StepRuntime:
     # ---- forward -----------------------------------------------------------------------------
 
     def pre_forward(self, unit: ShardedUnit) -> None:
+        if unit.training_state == TrainingState.BACKWARD:
+            # Activation checkpointing recomputes this unit's forward inside its backward: the
+            # params are (or must again be) unsharded; nothing else about the step changes.
+            unit.unshard("backward")
+            unit.wait_for_unshard()
+            return
         unit.assert_state(TrainingState.IDLE)
         if self._recording_order and unit not in self.forward_order:
             self.forward_order.append(unit)
@@ -55,6 +61,8 @@ class StepRuntime:
             self._prefetch(unit, step=+1, phase="forward")
 
     def post_forward(self, unit: ShardedUnit, output):
+        if unit.training_state == TrainingState.BACKWARD:
+            return output  # a recompute (see pre_forward): backward goes on with these params
         unit.assert_state(TrainingState.FORWARD)
         grad_enabled = torch.is_grad_enabled()
         # The root's params are needed first thing in backward, so it keeps them (as torch does).
