@@ -1,6 +1,6 @@
 """Public enums and config dataclasses, and the strategy table the engine reads.
 
-Names, members and field defaults mirror ``torch.distributed.fsdp.api`` so that user code written for
+Names, members and field defaults mirror torch FSDP's ``api`` module, so that user code written for
 torch FSDP works after changing one import. ``STRATEGY_RULES`` is the one place that says what a
 sharding strategy keeps and how it reduces gradients; the rest of the engine reads from it instead of
 branching on the strategy.

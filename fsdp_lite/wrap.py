@@ -3,7 +3,7 @@
 It runs once, in the FSDP constructor, before any parameter is sharded. It owns the auto-wrap
 policies (plain callables and `Policy` objects), `enable_wrap` / `wrap` for manual wrapping, and
 `auto_wrap`, which replaces each chosen submodule in its parent by `wrapper_cls(submodule, **kw)`.
-Names, signatures and choices mirror `torch.distributed.fsdp.wrap` and FSDP1's `_auto_wrap`, so a
+Names, signatures and choices mirror torch FSDP's `wrap` module and FSDP1's `_auto_wrap`, so a
 policy picks the same units as in torch. It knows nothing about sharding: module.py resolves ignored
 modules and params, calls `auto_wrap`, and wraps the root itself.
 """
