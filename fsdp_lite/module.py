@@ -708,6 +708,14 @@ def _resolve_ignored(
 def _move_to_device(module: nn.Module, config: UnitConfig) -> None:
     if _has_meta(list(module.modules())):
         return  # materialized on config.device unit by unit (_materialize)
+    if config.storage_device != config.device:
+        # CPU offload: params stay where they are and are sharded straight into CPU memory;
+        # only buffers, which forward uses whole, go to the compute device.
+        for m in module.modules():
+            for name, buf in m._buffers.items():
+                if buf is not None:
+                    m._buffers[name] = buf.to(config.device)
+        return
     if any(p.device != config.device for p in module.parameters()):
         module.to(config.device)
 
@@ -805,6 +813,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
             shard=config.rules.shard_params,
             compute_dtype=config.precision.param_dtype,
             storage_device=config.storage_device,
+            compute_device=config.device,
         )
         for p in ordered
     ]

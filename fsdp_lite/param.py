@@ -82,6 +82,7 @@ class ShardedParam:
         shard: bool,
         compute_dtype: torch.dtype | None = None,
         storage_device: torch.device | None = None,
+        compute_device: torch.device | None = None,
     ) -> None:
         if shard and orig_param.dim() == 0:
             raise NotImplementedError(
@@ -123,9 +124,10 @@ class ShardedParam:
         self.padded_numel = self.shard_numel * world_size
 
         data = orig_param.detach()
-        # The shard lives on storage_device (CPU under CPUOffload); forward runs on data's device.
-        storage = storage_device or data.device
-        self.sharded_flat = offload.new_shard(self.shard_numel, data.dtype, storage, data.device)
+        # The shard lives on storage_device (CPU under CPUOffload); forward runs on compute_device.
+        compute = compute_device or data.device
+        storage = storage_device or compute
+        self.sharded_flat = offload.new_shard(self.shard_numel, data.dtype, storage, compute)
         start = rank * self.shard_rows
         self.local_numel = self.local_rows * row_numel
         self.sharded_flat[: self.local_numel].copy_(
@@ -137,7 +139,9 @@ class ShardedParam:
         )
 
         # In compute_dtype (MixedPrecision.param_dtype) when set: forward and backward run on it.
-        self.unsharded_flat = data.new_empty(self.padded_numel, dtype=compute_dtype or data.dtype)
+        self.unsharded_flat = torch.empty(
+            self.padded_numel, dtype=compute_dtype or data.dtype, device=compute
+        )
         self.unsharded_param = nn.Parameter(
             self.unsharded_flat[: self.numel].view(self.orig_size),
             requires_grad=self.requires_grad,
