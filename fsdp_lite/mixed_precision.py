@@ -30,10 +30,6 @@ class Precision:
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = False
 
-    @property
-    def enabled(self) -> bool:
-        return self.param_dtype is not None or self.reduce_dtype is not None
-
 
 def resolve(mixed_precision: MixedPrecision | None) -> Precision:
     if mixed_precision is None:

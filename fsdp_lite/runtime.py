@@ -97,8 +97,6 @@ class StepRuntime:
 
     def on_grad_ready(self, unit: ShardedUnit) -> None:
         """Called once per trainable parameter per backward; see Note [Post-backward by gradient count]."""
-        if unit.training_state == TrainingState.SUMMON:
-            return
         unit.num_grads_ready += 1
         if unit.num_grads_ready == len(unit.trainable):
             self.post_backward(unit)
