@@ -2,7 +2,8 @@
 
 ``record_collectives(model)`` attaches one ``CollectiveTrace`` to every unit of a wrapped model for
 the duration of a ``with`` block; units append a ``CollectiveRecord`` each time they start a
-collective. Timing and memory records are planned (issue 7).
+collective. ``explain(model)`` returns the sharding plan as text. Timing and memory records are planned
+(issue 7).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-__all__ = ["CollectiveRecord", "CollectiveTrace", "record_collectives"]
+__all__ = ["CollectiveRecord", "CollectiveTrace", "explain", "record_collectives"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,41 @@ def record_collectives(model: nn.Module) -> Iterator[CollectiveTrace]:
     finally:
         for w in wrappers:
             w._unit.trace = None
+
+
+def explain(model: nn.Module) -> str:
+    """The sharding plan of a wrapped model, one block per unit, as a table.
+
+    For each unit: its strategy, dtypes, and for each parameter its full shape, this rank's rows,
+    the padded shard numel every rank sends, and the padding. Run it on any rank; the numbers
+    are this rank's.
+    """
+    from fsdp_lite.module import FullyShardedModule
+
+    wrappers = FullyShardedModule.fsdp_modules(model)
+    lines = []
+    for w in wrappers:
+        w._lazy_init()
+        unit = w._unit
+        precision = unit.precision
+        dtype = next((p.sharded_flat.dtype for p in unit.params), None)
+        compute = precision.param_dtype or dtype
+        reduce = precision.reduce_dtype or compute
+        padding = sum(p.padded_numel - p.numel for p in unit.params)
+        lines.append(
+            f"unit {unit.name or '<root>'}: {w._config.strategy.name}, "
+            f"rank {unit.rank} of {unit.world_size}, {len(unit.params)} params, "
+            f"unit_shard_numel {unit.unit_shard_numel}, padding {padding}, "
+            f"shard {_dtype_name(dtype)} / compute {_dtype_name(compute)} / reduce {_dtype_name(reduce)}"
+        )
+        for p in unit.params:
+            shape = "x".join(map(str, p.orig_size)) or "scalar"
+            lines.append(
+                f"  {p.fqn:<28} {shape:>12}  rows {p.local_rows:>4}/{p.shard_rows:<4} "
+                f"shard_numel {p.shard_numel:>7}  padding {p.padded_numel - p.numel}"
+            )
+    return "\n".join(lines)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).replace("torch.", "") if dtype is not None else "-"
