@@ -757,10 +757,15 @@ def _compare_across(mine: list, group: dist.ProcessGroup) -> None:
 
 
 def _broadcast_module_states(module: nn.Module, config: UnitConfig) -> None:
+    _broadcast_from_rank0([*module.parameters(), *module.buffers()], config)
+
+
+def _broadcast_from_rank0(tensors: list[torch.Tensor], config: UnitConfig) -> None:
+    """Give every rank rank 0's values (shard group first, then across replicas)."""
     with torch.no_grad():
         for group in _data_parallel_groups(config):
             source = dist.get_global_rank(group, 0)
-            for tensor in list(module.parameters()) + list(module.buffers()):
+            for tensor in tensors:
                 dist.broadcast(tensor.data, src=source, group=group)
 
 
@@ -874,13 +879,10 @@ def _materialize(
                 config.param_init_fn(m)
             elif hasattr(m, "reset_parameters"):
                 m.reset_parameters()
-        if config.sync_module_states:
-            for group in _data_parallel_groups(config):
-                source = dist.get_global_rank(group, 0)
-                for m in touched:
-                    for t in (*m._parameters.values(), *m._buffers.values()):
-                        if t is not None:
-                            dist.broadcast(t.data, src=source, group=group)
+    if config.sync_module_states:
+        tensors = [t for m in touched for t in (*m._parameters.values(), *m._buffers.values())]
+        # dict.fromkeys: a tied parameter is in two modules but is sent once
+        _broadcast_from_rank0([t for t in dict.fromkeys(tensors) if t is not None], config)
     return real_locations, real_names
 
 

@@ -38,6 +38,7 @@ class StepRuntime:
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
         self.forward_order: list[ShardedUnit] = []  # pre_forward order of the first step
+        self._position: dict[ShardedUnit, int] = {}  # unit -> index in forward_order, for the hooks
         self._recording_order = True
         self._callback_queued = False
         self.sync_grads = True  # False inside no_sync(): keep unsharded grads, skip reduction
@@ -52,7 +53,8 @@ class StepRuntime:
             unit.wait_for_unshard()
             return
         unit.assert_state(TrainingState.IDLE)
-        if self._recording_order and unit not in self.forward_order:
+        if self._recording_order and unit not in self._position:
+            self._position[unit] = len(self.forward_order)
             self.forward_order.append(unit)
         unit.training_state = TrainingState.FORWARD
         unit.unshard("forward")
@@ -126,9 +128,9 @@ class StepRuntime:
 
     def _prefetch(self, unit: ShardedUnit, step: int, phase: str) -> None:
         """Start the all-gather of the unit that runs next (step +1 in forward, -1 in backward)."""
-        if unit not in self.forward_order:
+        if unit not in self._position:
             return
-        index = self.forward_order.index(unit) + step
+        index = self._position[unit] + step
         if 0 <= index < len(self.forward_order):
             target = self.forward_order[index]
             if target.state == ShardedState.SHARDED:
