@@ -43,6 +43,7 @@ class ShardingStrategy(Enum):
     NO_SHARD = auto()  # DDP
     HYBRID_SHARD = auto()
     _HYBRID_SHARD_ZERO2 = auto()
+    SHARD_OPTIM = auto()  # ZeRO-1; fsdp_lite only (torch FSDP has no ZeRO-1)
 
 
 class BackwardPrefetch(Enum):
@@ -140,7 +141,11 @@ class Rules:
 
     shard_params: parameters at rest are 1/N shards (otherwise every rank holds them whole).
     reshard_after_forward: free the unsharded parameters after forward and all-gather again in backward.
-    grad_reduce: the collective that averages gradients across the shard group.
+    reshard_after_backward: free them after backward. Otherwise their memory stays allocated between
+        steps (the modules still see the shards) and the next forward gathers again, in place, only
+        if the shards have changed since.
+    grad_reduce: the collective that averages gradients across the shard group; with "all_reduce"
+        on sharded params every rank keeps the whole averaged gradient and steps its rows of it.
     replicate: the shard group is one of several replicas; gradients are then all-reduced across
         them (HYBRID_SHARD), and parameters are sharded only within the shard group.
     """
@@ -149,9 +154,11 @@ class Rules:
     reshard_after_forward: bool
     grad_reduce: str  # "reduce_scatter" | "all_reduce"
     replicate: bool = False
+    reshard_after_backward: bool = True
 
 
-# ZeRO (arXiv 1910.02054): stage 3 = P_os+g+p, stage 2 = P_os+g; NO_SHARD is plain data parallelism.
+# ZeRO (arXiv 1910.02054): stage 3 = P_os+g+p, stage 2 = P_os+g, stage 1 = P_os; NO_SHARD is plain
+# data parallelism.
 STRATEGY_RULES: dict[ShardingStrategy, Rules] = {
     ShardingStrategy.FULL_SHARD: Rules(
         shard_params=True, reshard_after_forward=True, grad_reduce="reduce_scatter"
@@ -169,5 +176,13 @@ STRATEGY_RULES: dict[ShardingStrategy, Rules] = {
     ),
     ShardingStrategy._HYBRID_SHARD_ZERO2: Rules(
         shard_params=True, reshard_after_forward=False, grad_reduce="reduce_scatter", replicate=True
+    ),
+    # ZeRO-1: params and averaged grads stay whole on every rank, as in DDP; only the optimizer
+    # state is 1/N, because the optimizer steps the 1/N shards. See Note [ZeRO-1] in unit.py.
+    ShardingStrategy.SHARD_OPTIM: Rules(
+        shard_params=True,
+        reshard_after_forward=False,
+        reshard_after_backward=False,
+        grad_reduce="all_reduce",
     ),
 }

@@ -235,7 +235,15 @@ def _collectives(
     group = shard_size if s.replicate else world_size
     if not s.shards_optim:  # DDP: every rank steps every param, so all-reduce the grads
         return (Collective("all_reduce", "grads", world_size, numel, g_size),)
-    # ZeRO-1/2 reduce-scatter grads and all-gather the stepped params: the paper's 2Ψ
+    if not s.shards_grads:
+        # fsdp_lite's ZeRO-1 all-reduces, so every rank keeps the whole averaged gradient, then
+        # gathers the stepped params: 3Ψ. The paper's ZeRO-1 reduce-scatters instead (2Ψ); that
+        # traffic with less memory is SHARD_GRAD_OP.
+        return (
+            Collective("all_reduce", "grads", world_size, numel, g_size),
+            Collective("all_gather", "params", world_size, numel, p_size),
+        )
+    # ZeRO-2 reduce-scatters grads and all-gathers the stepped params: the paper's 2Ψ
     out = [Collective("reduce_scatter", "grads", group, numel, g_size)]
     # ZeRO-3 gathers params before forward and again before backward: 3Ψ with the reduce-scatter
     out += [Collective("all_gather", "params", group, numel, p_size)] * (

@@ -508,11 +508,6 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         raise ValueError("module is already a FullyShardedModule")
     strategy = kw["sharding_strategy"] or ShardingStrategy.FULL_SHARD
     _check_type("sharding_strategy", strategy, ShardingStrategy)
-    if strategy not in STRATEGY_RULES:
-        raise NotImplementedError(
-            f"sharding_strategy={strategy.name} is not built yet (issue #5); "
-            f"supported: {', '.join(s.name for s in STRATEGY_RULES)}"
-        )
     _check_type("cpu_offload", kw["cpu_offload"], CPUOffload)
     offload_params = _check_offload(kw["cpu_offload"], strategy)
     _check_type("mixed_precision", kw["mixed_precision"], MixedPrecision)
@@ -600,8 +595,6 @@ def _apply_overrides(
     """
     strategy = sharding_strategy or config.strategy
     _check_type("sharding_strategy", strategy, ShardingStrategy)
-    if strategy not in STRATEGY_RULES:
-        raise NotImplementedError(f"sharding_strategy={strategy.name} is not built yet (#5)")
     if STRATEGY_RULES[strategy].replicate != config.rules.replicate:
         raise NotImplementedError(
             f"a unit with {strategy.name} under a root with {config.strategy.name}: mixing hybrid "

@@ -191,6 +191,11 @@ class ShardedParam:
         else:
             self.sharded_param.grad += grad
 
+    def rows_of(self, full_flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole, unpadded 1D tensor of this parameter's shape (a view)."""
+        start = self.rank * self.shard_rows
+        return full_flat.view(self.orig_size)[start : start + self.local_rows].reshape(-1)
+
     def full_from_rows(self, rows: torch.Tensor, device: torch.device | None) -> torch.Tensor:
         """This parameter, full and unpadded, from its gathered rows (N, shard_numel)."""
         dim0, row_numel = self.orig_size[0], math.prod(self.orig_size[1:])
@@ -209,6 +214,4 @@ class ShardedParam:
 
     def writeback(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of a full-shape tensor into the shard (after summon_full_params)."""
-        start = self.rank * self.shard_rows
-        rows = full.detach()[start : start + self.local_rows]
-        self.sharded_flat[: self.local_numel].copy_(rows.reshape(-1))
+        self.sharded_flat[: self.local_numel].copy_(self.rows_of(full.detach().reshape(-1)))

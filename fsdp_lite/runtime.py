@@ -20,7 +20,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from fsdp_lite.api import BackwardPrefetch
-from fsdp_lite.unit import ShardedState, ShardedUnit, TrainingState
+from fsdp_lite.unit import ShardedUnit, TrainingState
 
 __all__ = ["StepRuntime"]
 
@@ -133,5 +133,5 @@ class StepRuntime:
         index = self._position[unit] + step
         if 0 <= index < len(self.forward_order):
             target = self.forward_order[index]
-            if target.state == ShardedState.SHARDED:
+            if target.needs_all_gather():
                 target.unshard(phase, async_op=True)

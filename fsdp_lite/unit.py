@@ -10,6 +10,15 @@ may have one on another. Every rank must join the same collective, so it contrib
 each rank also sends a 1 or 0 per parameter in the same buffer ("had a gradient"). After the
 reduction a parameter gets a gradient if any rank had one, and keeps ``None`` only if no rank did:
 what DDP with ``find_unused_parameters=True`` does, with no extra collective.
+
+Note [ZeRO-1]: under SHARD_OPTIM the unsharded params are never freed and gradients are all-reduced,
+so every rank holds whole params and whole averaged gradients, as in DDP. Between steps the modules
+hold the 1/N ``sharded_param`` shards, as under every strategy, so an optimizer built on
+``model.parameters()`` steps only this rank's rows with their rows of the gradient: 1/N of the
+optimizer state. The step changes the shards in place, which bumps their version counters; the next
+forward sees the counters moved and all-gathers into the kept unsharded params, or, if nothing
+moved, points the modules back at them with no collective. Any in-place change to the shards (a
+loaded state dict, a manual edit under no_grad) is picked up the same way, with no optimizer hook.
 """
 
 from __future__ import annotations
@@ -97,6 +106,7 @@ class ShardedUnit:
         self.training_state = TrainingState.IDLE
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
         self._pending_reduce: tuple[ReduceResult, float] | None = None  # and the post-divide
+        self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
         # Per-backward bookkeeping, reset by reset_backward().
         self.num_grads_ready = 0
         self.ran_pre_backward = False
@@ -115,10 +125,28 @@ class ShardedUnit:
 
     # ---- unshard / reshard -------------------------------------------------------------------
 
+    def needs_all_gather(self) -> bool:
+        """Whether ``unshard`` would start an all-gather (or the NO_SHARD cast) now."""
+        return (
+            bool(self.params)
+            and self._all_gather is None  # else prefetched: in flight or landed
+            and self.state == ShardedState.SHARDED
+            and not self._holds_fresh_copy()
+        )
+
+    def _holds_fresh_copy(self) -> bool:
+        """ZeRO-1: the kept unsharded params still equal the shards (Note [ZeRO-1])."""
+        return self._gathered_versions is not None and self._gathered_versions == [
+            (p.sharded_param._version, p.sharded_flat._version) for p in self.params
+        ]
+
     def unshard(self, phase: str, async_op: bool = False) -> None:
         """Start the all-gather of this unit's shards; ``wait_for_unshard`` finishes it."""
-        if not self.params or self.state == ShardedState.UNSHARDED or self._all_gather is not None:
-            return  # nothing to gather, already unsharded, or prefetched
+        if self.state == ShardedState.SHARDED and self._holds_fresh_copy():
+            self._to_unsharded()  # ZeRO-1 between steps with unchanged shards: nothing to move
+            return
+        if not self.needs_all_gather():
+            return
         if not self.rules.shard_params:
             self._cast_copy()
             return
@@ -129,6 +157,12 @@ class ShardedUnit:
         )  # 1D, unit_shard_numel
         shards = [offload.to_device(p.sharded_flat, self.compute_device) for p in self.params]
         collectives.all_gather_copy_in(shards, all_gather_input)
+        if not self.rules.reshard_after_backward:
+            # In-place ops on the DTensor (the optimizer's) bump its own version counter, not its
+            # local tensor's; copies into sharded_flat (writeback, loads) bump only the flat's.
+            self._gathered_versions = [
+                (p.sharded_param._version, p.sharded_flat._version) for p in self.params
+            ]
         for p in self.params:
             p.alloc_unsharded()
         self._record("all_gather", phase, all_gather_input)
@@ -167,6 +201,7 @@ class ShardedUnit:
         self._to_unsharded()
 
     def reshard(self) -> None:
+        """Point the modules at the shards and free the unsharded params (ZeRO-1 keeps them)."""
         if self._all_gather is not None:  # a prefetch nobody used: finish it so buffers can go
             self.wait_for_unshard()
         if self.state == ShardedState.UNSHARDED and self.uses_unsharded_copy:
@@ -179,7 +214,8 @@ class ShardedUnit:
 
     def _to_sharded(self) -> None:
         for p in self.params:
-            p.free_unsharded()
+            if self.rules.reshard_after_backward:
+                p.free_unsharded()
             p.point_modules_to(p.sharded_param)
         self.state = ShardedState.SHARDED
 
@@ -248,11 +284,14 @@ class ShardedUnit:
         if post != 1.0:
             result.output.div_(post)
         ranks_with_grad = result.output[-len(self.trainable) :]  # > 0 where any rank had one
+        scattered = self.rules.grad_reduce == "reduce_scatter"
         offset = 0
         for p, used in zip(self.trainable, ranks_with_grad.tolist()):
-            numel = p.shard_numel
+            numel = p.shard_numel if scattered else p.numel  # this rank's slice, or all of it
             piece = result.output[offset : offset + numel]
             if used > 0 and self.rules.shard_params:
+                if not scattered:  # ZeRO-1: a view of this rank's rows of the whole gradient
+                    piece = p.rows_of(piece)
                 p.set_sharded_grad(piece, self.precision.keep_low_precision_grads)
             elif used > 0 and self.uses_unsharded_copy:  # NO_SHARD + mixed precision
                 grad = piece.view(p.orig_size)

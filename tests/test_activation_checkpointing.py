@@ -57,6 +57,6 @@ def _ac_rank(rank: int, world_size: int, strategy_name: str, order: str) -> None
 
 
 @pytest.mark.parametrize("order", ["after", "before"])
-@pytest.mark.parametrize("strategy_name", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("strategy_name", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM"])
 def test_activation_checkpointing_trains_like_ddp(tmp_path, strategy_name, order):
     run_ranks(_ac_rank, 2, tmp_path, args=(strategy_name, order), timeout=120)

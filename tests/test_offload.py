@@ -42,7 +42,7 @@ def _offload_rank(rank: int, world_size: int, strategy_name: str) -> None:
     assert all(local(s["exp_avg"]).device.type == "cpu" for s in states), "optimizer state on CPU"
 
 
-@pytest.mark.parametrize("strategy_name", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("strategy_name", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM"])
 def test_cpu_offload_trains_like_ddp_with_shards_in_cpu_memory(tmp_path, strategy_name):
     run_ranks(_offload_rank, 2, tmp_path, args=(strategy_name,), timeout=120)
 

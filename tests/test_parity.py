@@ -25,7 +25,7 @@ from tests.parity import (
 )
 from tests.ranks import run_ranks
 
-STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "SHARD_OPTIM"]
 MODELS = ["mlp", "lm", "nested"]
 STEPS = 3
 
