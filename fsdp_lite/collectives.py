@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 __all__ = [
     "AllGatherResult",
+    "REDUCE_SCATTER_BY_ALL_REDUCE",
     "ReduceResult",
     "all_gather",
     "all_gather_objects",
@@ -27,6 +28,7 @@ __all__ = [
     "grad_divide_factors",
     "reduce_scatter",
     "reduce_scatter_copy_in",
+    "reduce_scatter_kind",
     "reduce_scatter_per_param",
 ]
 
@@ -45,11 +47,33 @@ class AllGatherResult:
 
 @dataclass
 class ReduceResult:
-    """A gradient reduction in flight; ``output`` holds this rank's result once ``work`` is done."""
+    """A gradient reduction in flight; ``wait()`` returns this rank's result."""
 
     output: torch.Tensor  # 1D: reduce_scatter_output (unit_shard_numel) or the all-reduced grads
     input: torch.Tensor  # kept alive until the collective finishes
     work: dist.Work | None
+    output_is_row: bool = False  # output views a row of input (a reduce-scatter run as all-reduce)
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.output_is_row:  # copy the row out, so the N-times larger input can be freed
+            self.output, self.output_is_row = self.output.clone(), False
+        return self.output
+
+
+# Backends on which a reduce-scatter runs as an all-reduce of the same rank-major buffer, each rank
+# keeping its row. Same sums; (N-1)/N x the buffer more bytes sent, but gloo's reduce-scatter is the
+# slower one: 14 MB at 2 ranks, reduce-scatter 59 ms vs all-reduce 24 ms (docs/performance.md).
+REDUCE_SCATTER_BY_ALL_REDUCE: set[str] = {"gloo"}
+
+
+def reduce_scatter_kind(group: dist.ProcessGroup) -> str:
+    """The collective ``reduce_scatter`` issues on ``group``'s backend (what traces record)."""
+    if dist.get_backend(group) in REDUCE_SCATTER_BY_ALL_REDUCE:
+        return "all_reduce"
+    return "reduce_scatter"
 
 
 def grad_divide_factors(world_size: int) -> tuple[float, float]:
@@ -142,6 +166,10 @@ def reduce_scatter(
       rank 0 reduce_scatter_output [6, 8]         rank 1 reduce_scatter_output [10, 12]
     """
     world_size = dist.get_world_size(group)
+    if reduce_scatter_kind(group) == "all_reduce":
+        work = dist.all_reduce(reduce_scatter_input, group=group, async_op=async_op)
+        row = reduce_scatter_input.view(world_size, -1)[dist.get_rank(group)]
+        return ReduceResult(row, reduce_scatter_input, work if async_op else None, True)
     output = reduce_scatter_input.new_empty(reduce_scatter_input.numel() // world_size)
     work = _reduce_scatter_single(
         output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op

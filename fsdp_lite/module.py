@@ -37,7 +37,7 @@ from fsdp_lite.mixed_precision import (
     keep_in_full_precision,
     resolve,
 )
-from fsdp_lite.param import ShardedParam
+from fsdp_lite.param import ShardedParam, padded_numel
 from fsdp_lite.runtime import StepRuntime
 from fsdp_lite.unit import ShardedUnit, TrainingState
 
@@ -794,8 +794,9 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
                 f"parameter {_clean_name(name)!r} is shared with a nested unit "
                 f"({nested_params[id(param)].fqn!r}); put the modules sharing it in one unit"
             )
+    buffers: dict[nn.Parameter, torch.Tensor] = {}  # param -> the unsharded buffer it lives in
     if _has_meta(own_modules):
-        locations, names = _materialize(own_modules, locations, names, config)
+        locations, names, buffers = _materialize(own_modules, locations, names, config)
     # ``names`` is in registration (pre-order) order, so the flat layout is the same on every rank.
     ordered = list(names)
     rank = dist.get_rank(config.group)
@@ -812,6 +813,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
             compute_dtype=config.precision.param_dtype,
             storage_device=config.storage_device,
             compute_device=config.device,
+            unsharded_buffer=buffers.get(p),
         )
         for p in ordered
     ]
@@ -842,23 +844,34 @@ def _materialize(
     locations: dict[nn.Parameter, list[tuple[nn.Module, str]]],
     names: dict[nn.Parameter, str],
     config: UnitConfig,
-) -> tuple[dict, dict]:
+) -> tuple[dict, dict, dict]:
     """Allocate and initialize this unit's meta-device params and buffers, just before sharding.
 
     Units are built children first, so only one unit is ever unsharded in memory: the model is
-    never whole on one rank. A tied parameter gets one tensor for all its places (``to_empty``
-    would untie it). ``param_init_fn(module)`` initializes, else ``module.reset_parameters()``;
-    with ``sync_module_states`` rank 0's values are then broadcast.
+    never whole on one rank. Each param is allocated inside the padded unsharded buffer its
+    ShardedParam will use (returned, param -> buffer), so the unit exists once, not twice. A tied
+    parameter gets one tensor for all its places (``to_empty`` would untie it).
+    ``param_init_fn(module)`` initializes, else ``module.reset_parameters()``; with
+    ``sync_module_states`` rank 0's values are then broadcast.
     """
     touched = [m for m in own_modules if _has_meta([m])]
     real_locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     real_names: dict[nn.Parameter, str] = {}
+    buffers: dict[nn.Parameter, torch.Tensor] = {}
+    world_size = dist.get_world_size(config.group)
     for param, where in locations.items():
         real = param
         if param.is_meta:
-            real = nn.Parameter(
-                torch.empty_like(param, device=config.device), requires_grad=param.requires_grad
-            )
+            if config.rules.shard_params and param.dim() > 0:
+                buffer = torch.empty(
+                    padded_numel(param.shape, world_size), dtype=param.dtype, device=config.device
+                )
+                data = buffer[: param.numel()].view(param.shape)
+            else:
+                buffer, data = None, torch.empty_like(param, device=config.device)
+            real = nn.Parameter(data, requires_grad=param.requires_grad)
+            if buffer is not None:
+                buffers[real] = buffer
             for m, attr in where:
                 m._parameters[attr] = real
         real_locations[real], real_names[real] = where, names[param]
@@ -876,7 +889,7 @@ def _materialize(
         tensors = [t for m in touched for t in (*m._parameters.values(), *m._buffers.values())]
         # dict.fromkeys: a tied parameter is in two modules but is sent once
         _broadcast_from_rank0([t for t in dict.fromkeys(tensors) if t is not None], config)
-    return real_locations, real_names
+    return real_locations, real_names, buffers
 
 
 def _clean_name(name: str) -> str:

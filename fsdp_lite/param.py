@@ -36,7 +36,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lite import offload
 
-__all__ = ["ShardedParam", "free_storage", "alloc_storage"]
+__all__ = ["ShardedParam", "alloc_storage", "free_storage", "padded_numel"]
+
+
+def padded_numel(shape: torch.Size, world_size: int) -> int:
+    """Elements of a parameter's unsharded buffer: dim 0 rounded up to a multiple of world_size."""
+    dim0 = shape[0]
+    row_numel = math.prod(shape[1:])
+    return -(-dim0 // world_size) * world_size * row_numel
 
 
 def free_storage(tensor: torch.Tensor) -> None:
@@ -83,6 +90,7 @@ class ShardedParam:
         compute_dtype: torch.dtype | None = None,
         storage_device: torch.device | None = None,
         compute_device: torch.device | None = None,
+        unsharded_buffer: torch.Tensor | None = None,
     ) -> None:
         if shard and orig_param.dim() == 0:
             raise NotImplementedError(
@@ -139,8 +147,19 @@ class ShardedParam:
         )
 
         # In compute_dtype (MixedPrecision.param_dtype) when set: forward and backward run on it.
-        self.unsharded_flat = torch.empty(
-            self.padded_numel, dtype=compute_dtype or data.dtype, device=compute
+        # Meta init materializes the param inside this buffer already (module._materialize), so
+        # the unit is never allocated twice.
+        dtype = compute_dtype or data.dtype
+        reuse = (
+            unsharded_buffer is not None
+            and unsharded_buffer.numel() == self.padded_numel
+            and unsharded_buffer.dtype == dtype
+            and unsharded_buffer.device == compute
+        )
+        self.unsharded_flat = (
+            unsharded_buffer
+            if reuse
+            else torch.empty(self.padded_numel, dtype=dtype, device=compute)
         )
         self.unsharded_param = nn.Parameter(
             self.unsharded_flat[: self.numel].view(self.orig_size),

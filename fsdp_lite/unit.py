@@ -254,7 +254,8 @@ class ShardedUnit:
             reduce_scatter_input = filled[0].new_empty(self.world_size * numel, dtype=reduce_dtype)
             collectives.reduce_scatter_copy_in(filled, self.world_size, reduce_scatter_input)
             reduce_scatter_input.div_(pre)
-            self._record("reduce_scatter", "backward", reduce_scatter_input)
+            kind = collectives.reduce_scatter_kind(self.group)  # all_reduce on gloo: faster
+            self._record(kind, "backward", reduce_scatter_input)
             result = collectives.reduce_scatter(reduce_scatter_input, self.group, async_op=True)
             for p in self.trainable:
                 p.unsharded_param.grad = None  # its data now lives in reduce_scatter_input
@@ -275,20 +276,19 @@ class ShardedUnit:
         if pending is None:
             return
         result, post = pending
-        if result.work is not None:
-            result.work.wait()
+        output = result.wait()
         if self.replicate_group is not None:
             # HYBRID_SHARD: every replica holds the same 1/N slice; sum it across them.
-            self._record("all_reduce", "backward", result.output)
-            collectives.all_reduce(result.output, self.replicate_group)
+            self._record("all_reduce", "backward", output)
+            collectives.all_reduce(output, self.replicate_group)
         if post != 1.0:
-            result.output.div_(post)
-        ranks_with_grad = result.output[-len(self.trainable) :]  # > 0 where any rank had one
+            output.div_(post)
+        ranks_with_grad = output[-len(self.trainable) :]  # > 0 where any rank had one
         scattered = self.rules.grad_reduce == "reduce_scatter"
         offset = 0
         for p, used in zip(self.trainable, ranks_with_grad.tolist()):
             numel = p.shard_numel if scattered else p.numel  # this rank's slice, or all of it
-            piece = result.output[offset : offset + numel]
+            piece = output[offset : offset + numel]
             if used > 0 and self.rules.shard_params:
                 if not scattered:  # ZeRO-1: a view of this rank's rows of the whole gradient
                     piece = p.rows_of(piece)

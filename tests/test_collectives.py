@@ -103,6 +103,7 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     pre, post = collectives.grad_divide_factors(world_size)
     reduce_scatter_input.div_(pre)  # as the unit does: part before the sum, the rest after
     async_input = reduce_scatter_input.clone()
+    native_input = reduce_scatter_input.clone()
     result = collectives.reduce_scatter(reduce_scatter_input, group)
     seen["reduce_scatter_work_type"] = type(result.work).__name__
     seen["reduce_scatter_output"] = result.output.clone().div_(post)
@@ -113,6 +114,13 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     seen["async_reduce_scatter_work_type"] = type(async_result.work).__name__
     async_result.work.wait()
     seen["async_reduce_scatter_output"] = async_result.output.clone().div_(post)
+    # On gloo the above ran as an all-reduce (REDUCE_SCATTER_BY_ALL_REDUCE); now the real one.
+    seen["reduce_scatter_kind"] = collectives.reduce_scatter_kind(group)
+    backends = set(collectives.REDUCE_SCATTER_BY_ALL_REDUCE)
+    collectives.REDUCE_SCATTER_BY_ALL_REDUCE.clear()
+    native = collectives.reduce_scatter(native_input, group)
+    seen["native_reduce_scatter_output"] = native.wait().clone().div_(post)
+    collectives.REDUCE_SCATTER_BY_ALL_REDUCE.update(backends)
 
     # all-reduce (NO_SHARD): the divided, concatenated grads, summed in place.
     flat_grads = torch.cat([g.reshape(-1) for g in grads]).div_(pre)  # 1D, sum of numels
@@ -281,6 +289,18 @@ def test_flat_reduce_scatter_equals_per_param_reduce_scatter(ranks_seen):
             _assert_same_sum(
                 flat, plain, terms, f"rank {rank} param {name}: flat vs per-param reduce-scatter"
             )
+
+
+def test_gloo_reduce_scatter_by_all_reduce_equals_the_real_reduce_scatter(ranks_seen):
+    world_size, seen = ranks_seen
+    for rank, s in enumerate(seen):
+        assert s["reduce_scatter_kind"] == "all_reduce", "gloo should use the faster all-reduce"
+        flat, native = s["reduce_scatter_output"], s["native_reduce_scatter_output"]
+        assert flat.shape == native.shape
+        pieces = zip(_split_per_param(flat, world_size), _split_per_param(native, world_size))
+        for i, (name, (a, b)) in enumerate(zip(SHAPE_NAMES, pieces)):
+            terms = [_rank_rows(t, rank, world_size) for t in _divided_terms(i, world_size)]
+            _assert_same_sum(a, b, terms, f"rank {rank} param {name}: all-reduce vs reduce-scatter")
 
 
 def test_reduce_scatter_output_is_this_rank_slice_of_the_average(ranks_seen):

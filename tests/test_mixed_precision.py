@@ -222,7 +222,7 @@ def _casting_rank(rank: int, world_size: int) -> None:
         assert out.dtype == torch.bfloat16, "output in param_dtype"
         out.float().sum().backward()
     gathers = {r.dtype for r in trace.records if r.kind == "all_gather"}
-    reductions = {r.dtype for r in trace.records if r.kind == "reduce_scatter"}
+    reductions = {r.dtype for r in trace.records if r.kind != "all_gather"}
     assert gathers == {torch.bfloat16}, gathers
     assert reductions == {torch.bfloat16}, f"reduce_dtype defaults to param_dtype: {reductions}"
     assert all(p.grad.dtype == torch.float32 for p in model.parameters()), "grads land in fp32"
