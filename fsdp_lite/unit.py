@@ -140,6 +140,7 @@ class ShardedUnit:
             return
         if result.work is not None:
             result.work.wait()
+        self._record_done("all_gather")
         with contextlib.ExitStack() as stack, torch.no_grad():
             # The copy writes into tensors autograd saved in forward; their contents are the same
             # values again, so keep the version counters that would otherwise fail the backward.
@@ -241,10 +242,12 @@ class ShardedUnit:
         result, post = pending
         if result.work is not None:
             result.work.wait()
+        self._record_done(self.rules.grad_reduce)
         if self.replicate_group is not None:
             # HYBRID_SHARD: every replica holds the same 1/N slice; sum it across them.
             self._record("all_reduce", "backward", result.output)
             collectives.all_reduce(result.output, self.replicate_group)
+            self._record_done("all_reduce")
         if post != 1.0:
             result.output.div_(post)
         ranks_with_grad = result.output[-len(self.trainable) :]  # > 0 where any rank had one
@@ -286,6 +289,7 @@ class ShardedUnit:
         all_gather_input = offload.to_device(torch.cat(sharded_flats), self.compute_device)
         self._record("all_gather", phase, all_gather_input)
         result = collectives.all_gather(all_gather_input, self.group)
+        self._record_done("all_gather")
         if not keep:
             return [None] * len(self.params)
         gathered = result.all_gather_output.view(self.world_size, -1)  # (N, unit_shard_numel)
@@ -304,3 +308,7 @@ class ShardedUnit:
     def _record(self, kind: str, phase: str, tensor: torch.Tensor) -> None:
         if self.trace is not None:
             self.trace.record(kind=kind, unit=self.name, phase=phase, tensor=tensor)
+
+    def _record_done(self, kind: str) -> None:
+        if self.trace is not None:  # this rank's wait returned; see Note [Trace times and memory]
+            self.trace.collective_done(unit=self.name, kind=kind)
