@@ -453,7 +453,7 @@ def plot_timeline(
         for k in kinds
         if k in used
     ]
-    fig.legend(handles=handles, loc="outside upper center", ncols=len(handles), fontsize=8)
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.savefig(path)
@@ -494,7 +494,7 @@ def plot_memory(
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("ms since the step's first event (each rank's own clock)")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside upper center", ncols=len(labels), fontsize=8)
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.savefig(path)
