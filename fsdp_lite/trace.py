@@ -417,6 +417,9 @@ def plot_timeline(
             ):
                 if row not in rows:
                     rows.append(row)
+        for r in s.records:  # a unit that only communicated (a state dict, summon_full_params)
+            if (r.unit, "comm") not in rows:
+                rows.append((r.unit, "comm"))
     fig, axes = _figure(len(traces), 0.28 * len(rows) + 0.5)
     for ax, trace, s in zip(axes, traces, steps):
         for span in s.spans:
@@ -430,7 +433,7 @@ def plot_timeline(
                 color=COLORS.get(span.phase, COLORS["step"]),
             )
         for r in s.records:
-            y = rows.index((r.unit, "comm")) if (r.unit, "comm") in rows else len(rows) - 1
+            y = rows.index((r.unit, "comm"))
             end = r.end if r.end is not None else r.start
             ax.broken_barh(
                 [(s.ms(r.start), max(s.ms(end) - s.ms(r.start), 0.05))],

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import importlib.util
 import json
 import os
 import sys
@@ -32,7 +31,14 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from conformance.models import Block, GPTConfig, TinyLM
-from fsdp_lite import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+from fsdp_lite import (
+    CPUOffload,
+    FullStateDictConfig,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
 from fsdp_lite.collectives import all_gather_objects
 from fsdp_lite.demo import human_bytes
 from fsdp_lite.estimate import estimate
@@ -56,6 +62,7 @@ class Job:
     cpu_offload: bool = False
     bf16: bool = False  # MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)
     nproc: int = 2
+    state_dict_figure: bool = False  # also trace a FULL and a SHARDED model.state_dict()
 
     @property
     def title(self) -> str:
@@ -67,7 +74,7 @@ class Job:
 DOCS_JOBS = (
     Job("ddp_", "NO_SHARD"),
     Job("zero2_", "SHARD_GRAD_OP"),
-    Job("zero3_", "FULL_SHARD"),
+    Job("zero3_", "FULL_SHARD", state_dict_figure=True),
     Job("offload_", "FULL_SHARD", cpu_offload=True),
     Job("mixed_precision_", "FULL_SHARD", bf16=True),
     Job("hybrid_", "HYBRID_SHARD", nproc=4),
@@ -92,7 +99,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--nproc", type=int, help="ranks (default 2; HYBRID_SHARD: 4, as 2 replicas x nproc/2)"
     )
     parser.add_argument("--png", action="store_true", help="fail if matplotlib is missing")
-    parser.add_argument("--jobs-json", help=argparse.SUPPRESS)  # what the launcher hands its ranks
+    # What the launcher hands its ranks: the runs, and whether the launcher found matplotlib.
+    parser.add_argument("--jobs-json", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-png", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
@@ -117,9 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = list(DOCS_JOBS)
     else:
         jobs = [Job("", args.strategy, args.cpu_offload, args.bf16, args.nproc)]
-    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    has_matplotlib = _has_matplotlib()
     if "RANK" in os.environ:  # one rank, under torchrun or our own launch below
-        run_rank(jobs, out, args.steps, png=has_matplotlib)
+        run_rank(jobs, out, args.steps, png=has_matplotlib and not args.skip_png)
         return 0
     if not has_matplotlib and (args.png or args.docs):
         print("trace_demo: the PNGs need matplotlib: pip install -e '.[plot]'", file=sys.stderr)
@@ -140,12 +149,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--jobs-json",
             json.dumps(group),
         ]
+        rank_argv += [] if has_matplotlib else ["--skip-png"]
         if not launch_module("scripts.trace_demo", rank_argv, nproc):
             return 1
     if not has_matplotlib:
         print("trace_demo: no matplotlib, so no PNGs; install them with pip install -e '.[plot]'")
     print(f"trace_demo: wrote {out}")
     return 0
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # ---- one rank ----------------------------------------------------------------------------------
@@ -211,6 +229,8 @@ def run_job(job: Job, out: Path, steps: int, png: bool) -> None:
                     f"  {job.title}: step {step + 1}/{steps} loss {loss.item():.4f} ({ms:.0f} ms)",
                     flush=True,
                 )
+    if job.state_dict_figure:
+        trace_state_dicts(model, out, png)
     data = trace.to_json()
     if not job.prefix:  # --out: the raw trace of every rank; --docs keeps only the figures
         (out / f"trace_rank{rank}.json").write_text(json.dumps(data))
@@ -227,6 +247,25 @@ def run_job(job: Job, out: Path, steps: int, png: bool) -> None:
         say(f"  wrote {out / f'{job.prefix}timeline.png'}")
         plot_memory(traces, out / f"{job.prefix}memory.png", title=title)
         say(f"  wrote {out / f'{job.prefix}memory.png'}")
+
+
+def trace_state_dicts(model: FullyShardedDataParallel, out: Path, png: bool) -> None:
+    """A FULL (rank 0 only, on CPU) then a SHARDED ``model.state_dict()``, traced, into one figure."""
+    full = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    dist.barrier()
+    with record_collectives(model) as trace:
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, full):
+            with trace.span("FULL state_dict()"):
+                model.state_dict()
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            with trace.span("SHARDED state_dict()"):
+                model.state_dict()
+    everyone = all_gather_objects(trace.to_json())
+    if dist.get_rank() == 0 and png:
+        traces = [CollectiveTrace.from_json(d) for d in everyone]
+        path = out / "state_dict_timeline.png"
+        plot_timeline(traces, path, title="FULL_SHARD, 2 ranks: a FULL then a SHARDED state dict")
+        say(f"  wrote {path}")
 
 
 def write(path: Path, text: str) -> None:
