@@ -61,11 +61,15 @@ class StepRuntime:
         unit.wait_for_unshard()
         if self.forward_prefetch:
             self._prefetch(unit, step=+1, phase="forward")
+        if unit.trace is not None:
+            unit.trace.compute(unit, "forward", "begin")
 
     def post_forward(self, unit: ShardedUnit, output):
         if unit.training_state == TrainingState.BACKWARD:
             return output  # a recompute (see pre_forward): backward goes on with these params
         unit.assert_state(TrainingState.FORWARD)
+        if unit.trace is not None:
+            unit.trace.compute(unit, "forward", "end")
         grad_enabled = torch.is_grad_enabled()
         # The root's params are needed first thing in backward, so it keeps them (as torch does).
         if not grad_enabled or (unit.rules.reshard_after_forward and not unit.is_root):
@@ -96,6 +100,8 @@ class StepRuntime:
         unit.wait_for_unshard()
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(unit, step=-1, phase="backward")
+        if unit.trace is not None:
+            unit.trace.compute(unit, "backward", "begin")
 
     def on_grad_ready(self, unit: ShardedUnit) -> None:
         """Called once per trainable parameter per backward; see Note [Post-backward by gradient count]."""
@@ -104,6 +110,8 @@ class StepRuntime:
             self.post_backward(unit)
 
     def post_backward(self, unit: ShardedUnit) -> None:
+        if unit.trace is not None:
+            unit.trace.compute(unit, "backward", "end")
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch(unit, step=-1, phase="backward")
         if self.sync_grads:

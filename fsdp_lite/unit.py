@@ -105,7 +105,8 @@ class ShardedUnit:
         self.state = ShardedState.SHARDED if self.uses_unsharded_copy else ShardedState.UNSHARDED
         self.training_state = TrainingState.IDLE
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
-        self._pending_reduce: tuple[ReduceResult, float] | None = None  # and the post-divide
+        # A reduction in flight, its post-divide factor and the collective's kind (for the trace).
+        self._pending_reduce: tuple[ReduceResult, float, str] | None = None
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
         # Per-backward bookkeeping, reset by reset_backward().
         self.num_grads_ready = 0
@@ -174,6 +175,7 @@ class ShardedUnit:
             return
         if result.work is not None:
             result.work.wait()
+        self._record_done("all_gather")
         with contextlib.ExitStack() as stack, torch.no_grad():
             # The copy writes into tensors autograd saved in forward; their contents are the same
             # values again, so keep the version counters that would otherwise fail the backward.
@@ -265,9 +267,10 @@ class ShardedUnit:
             if self.uses_unsharded_copy:
                 for p in self.trainable:
                     p.unsharded_param.grad = None  # its data now lives in flat_grads
-            self._record("all_reduce", "backward", flat_grads)
+            kind = "all_reduce"
+            self._record(kind, "backward", flat_grads)
             result = collectives.all_reduce(flat_grads, self.group, async_op=True)
-        self._pending_reduce = (result, post)
+        self._pending_reduce = (result, post, kind)
         self.reduced = True
 
     def finish_reduce(self) -> None:
@@ -275,12 +278,14 @@ class ShardedUnit:
         pending, self._pending_reduce = self._pending_reduce, None
         if pending is None:
             return
-        result, post = pending
+        result, post, kind = pending
         output = result.wait()
+        self._record_done(kind)
         if self.replicate_group is not None:
             # HYBRID_SHARD: every replica holds the same 1/N slice; sum it across them.
             self._record("all_reduce", "backward", output)
             collectives.all_reduce(output, self.replicate_group)
+            self._record_done("all_reduce")
         if post != 1.0:
             output.div_(post)
         ranks_with_grad = output[-len(self.trainable) :]  # > 0 where any rank had one
@@ -325,6 +330,7 @@ class ShardedUnit:
         all_gather_input = offload.to_device(torch.cat(sharded_flats), self.compute_device)
         self._record("all_gather", phase, all_gather_input)
         result = collectives.all_gather(all_gather_input, self.group)
+        self._record_done("all_gather")
         if not keep:
             return [None] * len(self.params)
         gathered = result.all_gather_output.view(self.world_size, -1)  # (N, unit_shard_numel)
@@ -343,3 +349,7 @@ class ShardedUnit:
     def _record(self, kind: str, phase: str, tensor: torch.Tensor) -> None:
         if self.trace is not None:
             self.trace.record(kind=kind, unit=self.name, phase=phase, tensor=tensor)
+
+    def _record_done(self, kind: str) -> None:
+        if self.trace is not None:  # this rank's wait returned; see Note [Trace times and memory]
+            self.trace.collective_done(unit=self.name, kind=kind)
