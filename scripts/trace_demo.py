@@ -47,7 +47,7 @@ from fsdp_lite.trace import CollectiveTrace, explain, plot_memory, plot_timeline
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
+STRATEGIES = ("NO_SHARD", "SHARD_OPTIM", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 CFG = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)
 BATCH = 4  # sequences per rank per step
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
@@ -73,6 +73,7 @@ class Job:
 # The figures of the docs/ pages, one job each (HYBRID_SHARD needs 2 replicas x 2 shards).
 DOCS_JOBS = (
     Job("ddp_", "NO_SHARD"),
+    Job("zero1_", "SHARD_OPTIM"),
     Job("zero2_", "SHARD_GRAD_OP"),
     Job("zero3_", "FULL_SHARD", state_dict_figure=True),
     Job("offload_", "FULL_SHARD", cpu_offload=True),
