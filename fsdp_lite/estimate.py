@@ -19,8 +19,9 @@ The engine's own sharding (param.py, unit.py) adds padding that this model ignor
 #
 # Working set: bytes on the device beyond the resident model states, at the backward peak. Per state:
 # resident and whole (not sharded, not offloaded) adds nothing; offloaded but not sharded needs the
-# whole copy on the device (Ψ); sharded needs only the units in flight: the largest unit, plus a
-# second, prefetched unit for params (the two largest units bound it). It needs unit sizes, so it is
+# whole copy on the device (Ψ); sharded needs only the units in flight: for params the root (kept
+# from forward into backward), the unit computing and a prefetched one (the two largest inner units
+# bound them), for grads the largest unit. It needs unit sizes (the root last), so it is
 # None when only a count is given and a sharded state needs it.
 #
 # Communication: collective volume per rank per step in elements, the paper's convention: an
@@ -211,14 +212,17 @@ def _working_set(
     s: Sharding, numel: int, units: Sequence[int] | None, p_size: int, g_size: int, offload: bool
 ) -> float | None:
     """Transient device bytes at the backward peak; see Note [Planner conventions]."""
-    largest = second = None
+    params_in_flight = grads_in_flight = None
     if units:
-        ordered = sorted(units, reverse=True)
-        largest, second = ordered[0], (ordered[1] if len(ordered) > 1 else 0)
+        # The root (last) keeps its params from forward into backward; beside it, the unit
+        # computing and the one prefetched: bounded by the two largest inner units.
+        *inner, root = units
+        params_in_flight = root + sum(sorted(inner, reverse=True)[:2])
+        grads_in_flight = max(units)  # the unit whose grads are being reduced
     total = 0.0
     for sharded, itemsize, in_flight in (
-        (s.shards_params, p_size, None if largest is None else largest + second),  # + prefetched
-        (s.shards_grads, g_size, largest),  # the unit whose grads are being reduced
+        (s.shards_params, p_size, params_in_flight),
+        (s.shards_grads, g_size, grads_in_flight),
     ):
         if sharded:
             if in_flight is None:
@@ -280,7 +284,8 @@ def estimate(
         optim_bytes_per_param: K, optimizer state bytes per param. Default AdamW: 8 (fp32 exp_avg and
             exp_avg_sq), plus 4 for an fp32 master copy when param_itemsize < 4.
         offload: params, grads and optimizer state live on the CPU (CPUOffload(offload_params=True)).
-        units: numel of each unit, for the working set. Default: from `unit_classes`, else unknown.
+        units: numel of each unit, the root last (as `unit_numels` returns), for the working set.
+            Default: from `unit_classes`, else unknown.
         unit_classes: with a module, wrap every module of these classes into a unit (see unit_numels).
 
     Returns:

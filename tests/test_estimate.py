@@ -141,9 +141,10 @@ def test_units_give_the_working_set():
     units = unit_numels(model, {nn.Linear})
     assert units == (1024 * 4096 + 4096, 4096 * 1024 + 1024, 2 * 1024)  # two Linears, then root
     plan = estimate(model, 4, unit_classes={nn.Linear}, param_itemsize=2)
-    largest, second = units[0], units[1]
-    # FULL_SHARD: the largest unit's params and grads, plus the prefetched unit's params
-    assert plan["FULL_SHARD"].working_set_nbytes == (largest + second) * 2 + largest * 2
+    largest, second, root = units
+    # FULL_SHARD: params of the root (kept for backward), the unit computing and the prefetched
+    # one; grads of the largest unit
+    assert plan["FULL_SHARD"].working_set_nbytes == (largest + second + root) * 2 + largest * 2
     assert plan["ZeRO-2"].working_set_nbytes == largest * 2  # params stay whole, grads in flight
     assert plan["DDP"].working_set_nbytes == 0
     assert estimate(model, 4)["FULL_SHARD"].working_set_nbytes is None  # no units known
@@ -155,7 +156,8 @@ def test_offload_moves_states_to_the_cpu():
         assert e.cpu_nbytes == e.states_nbytes, e.sharding.name
     # DDP computes with whole params and grads on the device even though they are stored on the CPU
     assert plan["DDP"].device_nbytes == plan.numel * (2 + 2)
-    assert plan["FULL_SHARD"].device_nbytes == (10**8 * 2) * 2 + 10**8 * 2
+    # params of the root + two more units (all 1e8 here), grads of one unit
+    assert plan["FULL_SHARD"].device_nbytes == (10**8 * 3) * 2 + 10**8 * 2
 
 
 @pytest.mark.parametrize("sharding", STRATEGY_SHARDING, ids=lambda s: s.name)
