@@ -10,6 +10,12 @@ same layout, keyed by position in ``optim.param_groups``. Here that becomes the 
 FULL gathers each DTensor to a full tensor (one tensor at a time); SHARDED keeps the DTensors.
 Loading takes either and slices or reshards to this rank's rows, so world sizes may differ.
 Model state dicts: state_dict.py.
+
+Note [Full optimizer state on rank 0 only]: with ``rank0_only`` each state tensor is sent to rank 0
+with ``dist.gather`` (gloo and NCCL have it), straight into the exact-size output there. A non-zero
+rank sends its rows and allocates nothing (a short last shard: one padded copy of its rows), and
+rank 0 holds the output plus at most one short block, where an all-gather would give every rank
+each full tensor in turn.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lite.api import OptimStateKeyType, StateDictType
 from fsdp_lite.state_dict import (
@@ -119,7 +125,9 @@ def named_optim_state_dict(
         name = _name_of(names, param)
         entry = {}
         for key, value in osd["state"][index].items():
-            if isinstance(value, DTensor) and full:
+            if isinstance(value, DTensor) and full and rank0_only:
+                value = _gather_to_rank0(value)  # see Note [Full optimizer state on rank 0 only]
+            elif isinstance(value, DTensor) and full:
                 value = value.full_tensor()  # all ranks: one all-gather per state tensor
             elif isinstance(value, DTensor) and offload_to_cpu:
                 value = with_local(value, value.to_local().cpu())
@@ -136,6 +144,41 @@ def named_optim_state_dict(
         named["params"] = [_name_of(names, p) for p in group_now["params"]]
         groups.append(named)
     return {"state": state, "param_groups": groups}
+
+
+def _gather_to_rank0(value: DTensor) -> torch.Tensor | None:
+    """The full tensor of a Shard(0) DTensor on rank 0 of its shard group; None elsewhere.
+
+    2 ranks, a state tensor of 3 rows (shard_rows 2, rank 1 holds one row and one of padding):
+      rank 0 sends [r0 r1], receives [r0 r1] and [r2 pad] into out [r0 r1 r2]
+      rank 1 sends [r2 pad], receives nothing
+    """
+    mesh = value.device_mesh
+    if value.placements[-1] != Shard(0) or any(p != Replicate() for p in value.placements[:-1]):
+        return value.full_tensor()  # not our layout (e.g. tensor parallel): DTensor's own gather
+    group = mesh.get_group(mesh.ndim - 1)  # HYBRID_SHARD: gather within the shard group
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    device = _group_device(group)
+    local = value.to_local()  # (local_rows, *rest)
+    shard_rows = -(-value.shape[0] // world_size)
+    send = local.to(device).contiguous()  # no copy for a CPU shard on gloo
+    if send.shape[0] != shard_rows:  # a short last shard: gather needs equal sizes, so pad
+        padded = send.new_zeros((shard_rows, *send.shape[1:]))  # (shard_rows, *rest)
+        padded[: send.shape[0]].copy_(send)
+        send = padded
+    dst = dist.get_global_rank(group, 0)
+    if rank != 0:
+        dist.gather(send, None, dst=dst, group=group)
+        return None
+    out = torch.empty(value.shape, dtype=send.dtype, device=device)
+    # Each rank's rows land in place in ``out``; only a short last block goes through a temporary.
+    blocks = [out[r * shard_rows : (r + 1) * shard_rows] for r in range(world_size)]
+    recv = [b if b.shape[0] == shard_rows else torch.empty_like(send) for b in blocks]
+    dist.gather(send, recv, dst=dst, group=group)
+    for block, received in zip(blocks, recv):
+        if received is not block:
+            block.copy_(received[: block.shape[0]])
+    return out
 
 
 def optim_state_dict(

@@ -14,6 +14,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -25,6 +26,7 @@ from fsdp_lite import (
     StateDictType,
 )
 from fsdp_lite import FullyShardedDataParallel as FSDP
+from fsdp_lite.wrap import ModuleWrapPolicy
 from tests.parity import POLICIES, assert_close, build_model, loss_fn, rank_batch, shard_of
 from tests.ranks import run_ranks
 
@@ -303,6 +305,51 @@ def _check_native_fsdp1_full_state_dicts_both_ways(rank, world_size):
         assert_close(after[key], value, what=f"ours -> native, after a step: {key}", **EXACT)
 
 
+def _extra_nbytes_of_full_optim_state_dict(model, optim, rank0_only: bool) -> dict:
+    """Peak bytes a full optimizer state dict allocates beyond its output (MemTracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optim)
+    with tracker:
+        (before,) = tracker.get_tracker_snapshot("current").values()
+        full = FSDP.full_optim_state_dict(model, optim, rank0_only=rank0_only)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    output_nbytes = sum(
+        v.nbytes for e in full.get("state", {}).values() for v in e.values() if v.dim() > 0
+    )
+    return {"extra": peak["Total"] - before["Total"] - output_nbytes, "output": output_nbytes}
+
+
+def _check_rank0_only_full_optim_state_dict_memory(rank, world_size):
+    """rank0_only: rank 0 receives each state tensor into its output; the others hold nothing."""
+    torch.manual_seed(0)
+    # 63 rows do not divide by 2: rank 1's shard is one row short, the padded case.
+    linears = [nn.Linear(64, 64) for _ in range(3)] + [nn.Linear(64, 63)]
+    model = FSDP(nn.Sequential(*linears), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    optim = _adamw(model)
+    model(torch.randn(4, 64)).sum().backward()
+    optim.step()
+    tensor_nbytes = 64 * 64 * 4  # the largest state tensor, full
+    shard_nbytes = tensor_nbytes // world_size
+    figures = {
+        "rank0_only": _extra_nbytes_of_full_optim_state_dict(model, optim, rank0_only=True),
+        "every_rank": _extra_nbytes_of_full_optim_state_dict(model, optim, rank0_only=False),
+        "tensor_nbytes": tensor_nbytes,
+    }
+    extra, output = figures["rank0_only"]["extra"], figures["rank0_only"]["output"]
+    if rank == 0:
+        assert output > 8 * tensor_nbytes, figures  # 4 weights and 4 biases, two states each
+    else:
+        assert output == 0, figures
+    # At most one padded block: rank 1 pads its short shard of the (63, 64) state tensors, rank 0
+    # receives that block into a temporary before copying its 31 rows out.
+    assert 0 <= extra <= shard_nbytes, f"rank {rank}: {figures}"
+    # Gathering on every rank (rank0_only=False) gives rank 1 the whole output too.
+    assert figures["every_rank"]["output"] == figures["rank0_only"]["output"] or rank != 0
+    return figures
+
+
 CHECKS = [name[len("_check_") :] for name in dir() if name.startswith("_check_")]
 
 
@@ -310,8 +357,7 @@ def _all_checks_rank(rank: int, world_size: int) -> dict:
     outcomes = {}
     for name in CHECKS:
         try:
-            globals()[f"_check_{name}"](rank, world_size)
-            outcomes[name] = ("ok", "")
+            outcomes[name] = ("ok", globals()[f"_check_{name}"](rank, world_size))
         except Exception:  # noqa: BLE001 - reported by the test named after the check
             outcomes[name] = ("failed", traceback.format_exc())
         dist.barrier()
@@ -328,3 +374,11 @@ def test_optim_state(outcomes, check):
     for rank, by_check in enumerate(outcomes):
         status, detail = by_check[check]
         assert status == "ok", f"rank {rank}, check {check}:\n{detail}"
+
+
+def test_rank0_only_full_optim_state_dict_holds_nothing_extra_off_rank0(outcomes):
+    for rank, by_check in enumerate(outcomes):
+        status, figures = by_check["rank0_only_full_optim_state_dict_memory"]
+        assert status == "ok", figures
+        if rank != 0:  # the all-gather it replaced gave this rank every full tensor
+            assert figures["every_rank"]["output"] > 8 * figures["tensor_nbytes"], figures
