@@ -15,12 +15,24 @@ model. Ranks gather in the same (module) order, so their collectives match.
 Note [What a loaded value means]: a DTensor is a shard already (copied, or resharded if its layout
 differs); a plain tensor is a full parameter, except under LOCAL_STATE_DICT, where it is this rank's
 rows. So one ``load_state_dict`` takes full, sharded (after ``dcp.load``) and local state dicts.
+
+Note [torch's get_state_dict]: torch.distributed.checkpoint.state_dict puts native FSDP1 modules,
+which it finds by their class, into SHARDED_STATE_DICT (or FULL) itself, then gathers, offloads
+and distributes as its options say. It cannot find ours, so it treats them as FSDP2 modules and
+takes ``model.state_dict()`` as it comes: under FSDP1's default FULL_STATE_DICT that would be
+full tensors even for ``full_state_dict=False``. So while that helper is on the stack (its
+``_get_model_state_dict`` or ``_load_model_state_dict``), a wrapper answers as FSDP2 does:
+SHARDED, on the shards' device, whatever ``state_dict_type`` says (FSDP1's settings are overridden
+by the helper too). The helper does the rest, exactly as for FSDP2. Recognizing a caller by its
+frame reads no private state and patches nothing; if torch renames those functions, wrappers
+fall back to their settings and ``set_state_dict_type(SHARDED_STATE_DICT)`` still works.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +99,38 @@ def settings_of(wrapper: nn.Module) -> StateDictSettings:
     if wrapper._state_dict_settings is None:
         wrapper._state_dict_settings = default_settings()
     return wrapper._state_dict_settings
+
+
+# The functions of torch's state dict helper that call model.state_dict() / load_state_dict().
+TORCH_STATE_DICT_HELPER = (
+    "torch.distributed.checkpoint.state_dict",
+    {"_get_model_state_dict", "_load_model_state_dict"},
+)
+
+
+def _called_by_torch_helper() -> bool:
+    """Whether torch's get/set_state_dict is on the stack (Note [torch's get_state_dict])."""
+    module_name, function_names = TORCH_STATE_DICT_HELPER
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name in function_names
+            and frame.f_globals.get("__name__") == module_name
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def effective_settings(wrapper: nn.Module) -> StateDictSettings:
+    """The settings a state dict call uses: the wrapper's, or SHARDED under torch's helper."""
+    if _called_by_torch_helper():
+        return StateDictSettings(
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=False, _use_dtensor=True),
+            ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True),
+        )
+    return settings_of(wrapper)
 
 
 def set_state_dict_type(
@@ -229,7 +273,7 @@ def after_state_dict(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str
     Called on the dict nn.Module.state_dict built for this wrapper's subtree, whose nested
     wrappers have already converted theirs (Note [Full state dict, one unit at a time]).
     """
-    settings = settings_of(wrapper)
+    settings = effective_settings(wrapper)
     config = settings.state_dict_config
     unit: ShardedUnit = wrapper._unit
     own = _own_keys(wrapper, prefix)
@@ -296,7 +340,7 @@ def before_load(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str) -> 
     ``_fsdp_wrapped_module.`` prefix back. Wrong shapes are left for nn.Module to report.
     """
     to_rest(wrapper)
-    is_local = settings_of(wrapper).state_dict_type == StateDictType.LOCAL_STATE_DICT
+    is_local = effective_settings(wrapper).state_dict_type == StateDictType.LOCAL_STATE_DICT
     wrapped_prefix = prefix + "_fsdp_wrapped_module."
     for key, p in _own_keys(wrapper, prefix).items():
         for name in (key, wrapped_prefix + key[len(prefix) :]):  # clean or raw key
