@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdp_lite import optim_state
-from fsdp_lite.api import ShardedStateDictConfig, StateDictType
+from fsdp_lite.api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 from fsdp_lite.state_dict import state_dict_type, wrappers_in
 
 __all__ = ["CheckpointError", "load", "save"]
@@ -87,9 +87,9 @@ def checkpoint_state(model: nn.Module, optim: torch.optim.Optimizer | None) -> d
     The tensors are the live shards (no copies), which is what dcp.load fills in place.
     A model without wrappers gives plain tensors, so one process can load a sharded save.
     """
-    with state_dict_type(
-        model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=False)
-    ):
+    config = ShardedStateDictConfig(offload_to_cpu=False, _use_dtensor=True)
+    optim_config = ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True)
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT, config, optim_config):
         state: dict[str, Any] = {"model": model.state_dict()}
     if optim is not None:
         state["optim"] = optim_state.named_optim_state_dict(model, optim, full=False)

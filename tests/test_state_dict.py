@@ -180,6 +180,40 @@ def _check_local(rank, world_size, tmp):
     _assert_full_equal(fresh.state_dict(), want, "LOCAL roundtrip")
 
 
+def _check_sharded_values_are_dtensors_and_sharded_tensors_load(rank, world_size, tmp):
+    """_use_dtensor: DTensors either way, with a warning saying how to read them; native FSDP1's
+    ShardedTensor values load at the same world size."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as NativeFSDP
+    from torch.distributed.fsdp import StateDictType as NativeStateDictType
+
+    plain, model = build_model("lm"), _lm()
+    with pytest.warns(
+        UserWarning, match=r"rows with \.to_local\(\), not \.local_shards\(\)"
+    ) as caught:
+        FSDP.set_state_dict_type(model, SHARDED)
+    assert caught[0].filename == __file__, f"the warning names {caught[0].filename}"
+    assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+    expect_dtensors = ShardedStateDictConfig(_use_dtensor=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning once the user says DTensor
+        with FSDP.state_dict_type(model, SHARDED, expect_dtensors):
+            assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+    # native FSDP1's SHARDED_STATE_DICT (ShardedTensor values, the same rows per rank) loads here
+    warnings.filterwarnings("ignore", category=FutureWarning)  # FSDP1's deprecation notices
+    source = build_model("lm")
+    source.load_state_dict(_plus(plain.state_dict(), 1.0))
+    native = NativeFSDP(source, auto_wrap_policy=POLICIES["lm"], device_id=torch.device("cpu"))
+    with NativeFSDP.state_dict_type(native, NativeStateDictType.SHARDED_STATE_DICT):
+        native_sharded = native.state_dict()
+    assert type(native_sharded["tok.weight"]).__name__ == "ShardedTensor"
+    fresh = _lm()
+    with FSDP.state_dict_type(fresh, SHARDED, expect_dtensors):
+        fresh.load_state_dict(native_sharded)
+    _assert_full_equal(fresh.state_dict(), _plus(plain.state_dict(), 1.0), "from ShardedTensor")
+
+
 def _check_load_errors_name_unwrapped_keys(rank, world_size, tmp):
     model = _lm()
     full = model.state_dict()
