@@ -85,8 +85,8 @@ def _param_groups(
             return optim.param_groups
         return [{"params": list(model.parameters())}]
     warnings.warn(
-        "optim_input is deprecated in torch FSDP1 and fsdp_lite alike: parameter ids follow "
-        "optim (or model.parameters()); you may remove it without changing the result",
+        "optim_input is deprecated, as in torch FSDP1: pass the optimizer as optim instead "
+        "(parameter ids then follow optim.param_groups)",
         FutureWarning,
         stacklevel=3,
     )
