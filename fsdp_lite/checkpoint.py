@@ -11,7 +11,8 @@ Note [Replacing a checkpoint safely]: at ``path`` there is only ever a finished 
   1. rank 0 clears ``.<name>.partial`` (left by a save that died) and every rank writes into it;
   2. dcp.save returns on every rank after rank 0 wrote ``.metadata``, which it writes last;
   3. barrier; rank 0 renames ``path`` -> ``.<name>.old``, ``.partial`` -> ``path``, fsyncs the
-     directory, deletes ``.old``; barrier.
+     directory, deletes ``.old``, and broadcasts how that went: if it failed, every rank raises
+     the same CheckpointError at once (no rank is left in a barrier until the timeout).
 A save killed in 1-2 leaves ``path`` as it was. Killed inside 3, between the two renames, it
 leaves no ``path`` but a complete ``.old``, which ``load`` falls back to. The directory must be
 one that every rank sees (a shared filesystem), as for DCP itself.
@@ -25,7 +26,7 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdp_lite import optim_state
-from fsdp_lite.api import ShardedStateDictConfig, StateDictType
+from fsdp_lite.api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 from fsdp_lite.state_dict import state_dict_type, wrappers_in
 
 __all__ = ["CheckpointError", "load", "save"]
@@ -86,9 +87,9 @@ def checkpoint_state(model: nn.Module, optim: torch.optim.Optimizer | None) -> d
     The tensors are the live shards (no copies), which is what dcp.load fills in place.
     A model without wrappers gives plain tensors, so one process can load a sharded save.
     """
-    with state_dict_type(
-        model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=False)
-    ):
+    config = ShardedStateDictConfig(offload_to_cpu=False, _use_dtensor=True)
+    optim_config = ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True)
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT, config, optim_config):
         state: dict[str, Any] = {"model": model.state_dict()}
     if optim is not None:
         state["optim"] = optim_state.named_optim_state_dict(model, optim, full=False)
@@ -104,15 +105,21 @@ def save(model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.P
         model: the root module (wrapped or not).
         optim: its optimizer, or None to save the model alone.
         path: a directory; a checkpoint already there stays until the new one is complete.
+
+    Raises:
+        CheckpointError: on every rank, with rank 0's message, if rank 0 could not prepare the
+            directory or move the finished checkpoint into place.
     """
     path = Path(path)
     partial, old = _siblings(path)
     group = _group(model)
     state = checkpoint_state(model, optim)
-    if _is_rank0(group):
+
+    def prepare() -> None:
         shutil.rmtree(partial, ignore_errors=True)  # a save that died before its rename
         partial.mkdir(parents=True)
-    _barrier(group)
+
+    _on_rank0(group, prepare, f"could not create {partial}")
     with _single_process_is_intended(group):
         dcp.save(
             state,
@@ -121,14 +128,41 @@ def save(model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.P
             no_dist=group is None,
         )
     _barrier(group)
-    if _is_rank0(group):
+
+    def swap_in() -> None:
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)  # path is complete, so .old is stale
             path.rename(old)
         partial.rename(path)
         _fsync_dir(path.parent)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier(group)
+
+    _on_rank0(
+        group,
+        swap_in,
+        f"could not move the new checkpoint {partial} into place (the previous one is at "
+        f"{path}, or at {old}, which load falls back to)",
+    )
+
+
+def _on_rank0(group: dist.ProcessGroup | None, step: Callable[[], None], what: str) -> None:
+    """Run ``step`` on rank 0 and raise its failure on every rank, at once and with one message.
+
+    The other ranks wait in the broadcast of the outcome rather than in a barrier, so a failed
+    rename does not leave them blocked until the process group's timeout.
+    """
+    error, cause = None, None
+    if _is_rank0(group):
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - every rank re-raises it below
+            error, cause = f"{type(e).__name__}: {e}", e
+    if group is not None:
+        outcome = [error]
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+        error = outcome[0]
+    if error is not None:
+        raise CheckpointError(f"saving checkpoint: rank 0 {what}: {error}") from cause
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -10,18 +10,25 @@ same layout, keyed by position in ``optim.param_groups``. Here that becomes the 
 FULL gathers each DTensor to a full tensor (one tensor at a time); SHARDED keeps the DTensors.
 Loading takes either and slices or reshards to this rank's rows, so world sizes may differ.
 Model state dicts: state_dict.py.
+
+Note [Full optimizer state on rank 0 only]: with ``rank0_only`` each state tensor is sent to rank 0
+with ``dist.gather`` (gloo and NCCL have it), straight into the exact-size output there. A non-zero
+rank sends its rows and allocates nothing (a short last shard: one padded copy of its rows), and
+rank 0 holds the output plus at most one short block, where an all-gather would give every rank
+each full tensor in turn.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lite.api import OptimStateKeyType, StateDictType
 from fsdp_lite.state_dict import (
@@ -63,11 +70,57 @@ def param_names(model: nn.Module) -> dict[nn.Parameter, list[str]]:
     return names
 
 
-def _optim_params(optim: torch.optim.Optimizer | None, model: nn.Module) -> list[nn.Parameter]:
-    """Parameters in the order their ids are counted: the optimizer's, else model.parameters()."""
-    if optim is None:
-        return list(model.parameters())
-    return [p for group in optim.param_groups for p in group["params"]]
+def _param_groups(
+    optim: torch.optim.Optimizer | None, model: nn.Module, optim_input: Iterable | None = None
+) -> list[dict]:
+    """The parameter groups whose order numbers the parameter ids, by torch FSDP1's rule.
+
+    ``optim_input`` (deprecated in torch, what was passed to the optimizer: parameters or
+    parameter groups) comes first, then ``optim.param_groups``, then ``model.parameters()``.
+    Given both, they must list the same parameters in the same order: ``optim.state_dict()``
+    numbers its state by ``optim``'s order, so another order would put state under wrong names.
+    """
+    if optim_input is None:
+        if optim is not None:
+            return optim.param_groups
+        return [{"params": list(model.parameters())}]
+    warnings.warn(
+        "optim_input is deprecated, as in torch FSDP1: pass the optimizer as optim instead "
+        "(parameter ids then follow optim.param_groups)",
+        FutureWarning,
+        stacklevel=3,
+    )
+    items = list(optim_input)
+    if items and all(isinstance(item, dict) for item in items):
+        if not all("params" in group for group in items):
+            raise ValueError('optim_input: each parameter group must map "params" to a list')
+        groups = [dict(group, params=list(group["params"])) for group in items]
+    elif items and all(isinstance(item, torch.Tensor) for item in items):
+        groups = [{"params": items}]
+    else:
+        raise TypeError(
+            "optim_input must be a non-empty iterable of parameters or of parameter groups "
+            f"(dicts), as passed to the optimizer; got {items[:3]!r}"
+        )
+    if optim is not None:
+        given = [p for group in groups for p in group["params"]]
+        stepped = [p for group in optim.param_groups for p in group["params"]]
+        differ = [i for i, (a, b) in enumerate(zip(given, stepped)) if a is not b]
+        if len(given) != len(stepped) or differ:
+            where = f"first at position {differ[0]}" if differ else "another count"
+            raise ValueError(
+                f"optim_input does not list optim's parameters in optim's order ({len(given)} "
+                f"given, {len(stepped)} in optim, {where}); optim's state is numbered by "
+                "optim's order. Drop optim_input (deprecated): ids then follow optim."
+            )
+    return groups
+
+
+def _optim_params(
+    optim: torch.optim.Optimizer | None, model: nn.Module, optim_input: Iterable | None = None
+) -> list[nn.Parameter]:
+    """Parameters in the order their ids are counted (see ``_param_groups``)."""
+    return [p for group in _param_groups(optim, model, optim_input) for p in group["params"]]
 
 
 def _name_of(names: dict[nn.Parameter, list[str]], param: nn.Parameter) -> str:
@@ -100,6 +153,7 @@ def named_optim_state_dict(
     rank0_only: bool = False,
     offload_to_cpu: bool = False,
     group: dist.ProcessGroup | None = None,
+    optim_input: Iterable | None = None,
 ) -> dict[str, Any]:
     """Key ``optim.state_dict()`` by parameter name; with ``full``, gather each DTensor.
 
@@ -108,7 +162,7 @@ def named_optim_state_dict(
     """
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     names = param_names(model)
-    params = _optim_params(optim, model)
+    params = _optim_params(optim, model, optim_input)  # before any collective: it may raise
     group = _group_of(model, group)
     rank = dist.get_rank(group) if group is not None else 0
     keep = not (full and rank0_only) or rank == 0
@@ -119,7 +173,9 @@ def named_optim_state_dict(
         name = _name_of(names, param)
         entry = {}
         for key, value in osd["state"][index].items():
-            if isinstance(value, DTensor) and full:
+            if isinstance(value, DTensor) and full and rank0_only:
+                value = _gather_to_rank0(value)  # see Note [Full optimizer state on rank 0 only]
+            elif isinstance(value, DTensor) and full:
                 value = value.full_tensor()  # all ranks: one all-gather per state tensor
             elif isinstance(value, DTensor) and offload_to_cpu:
                 value = with_local(value, value.to_local().cpu())
@@ -136,6 +192,41 @@ def named_optim_state_dict(
         named["params"] = [_name_of(names, p) for p in group_now["params"]]
         groups.append(named)
     return {"state": state, "param_groups": groups}
+
+
+def _gather_to_rank0(value: DTensor) -> torch.Tensor | None:
+    """The full tensor of a Shard(0) DTensor on rank 0 of its shard group; None elsewhere.
+
+    2 ranks, a state tensor of 3 rows (shard_rows 2, rank 1 holds one row and one of padding):
+      rank 0 sends [r0 r1], receives [r0 r1] and [r2 pad] into out [r0 r1 r2]
+      rank 1 sends [r2 pad], receives nothing
+    """
+    mesh = value.device_mesh
+    if value.placements[-1] != Shard(0) or any(p != Replicate() for p in value.placements[:-1]):
+        return value.full_tensor()  # not our layout (e.g. tensor parallel): DTensor's own gather
+    group = mesh.get_group(mesh.ndim - 1)  # HYBRID_SHARD: gather within the shard group
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    device = _group_device(group)
+    local = value.to_local()  # (local_rows, *rest)
+    shard_rows = -(-value.shape[0] // world_size)
+    send = local.to(device).contiguous()  # no copy for a CPU shard on gloo
+    if send.shape[0] != shard_rows:  # a short last shard: gather needs equal sizes, so pad
+        padded = send.new_zeros((shard_rows, *send.shape[1:]))  # (shard_rows, *rest)
+        padded[: send.shape[0]].copy_(send)
+        send = padded
+    dst = dist.get_global_rank(group, 0)
+    if rank != 0:
+        dist.gather(send, None, dst=dst, group=group)
+        return None
+    out = torch.empty(value.shape, dtype=send.dtype, device=device)
+    # Each rank's rows land in place in ``out``; only a short last block goes through a temporary.
+    blocks = [out[r * shard_rows : (r + 1) * shard_rows] for r in range(world_size)]
+    recv = [b if b.shape[0] == shard_rows else torch.empty_like(send) for b in blocks]
+    dist.gather(send, recv, dst=dst, group=group)
+    for block, received in zip(blocks, recv):
+        if received is not block:
+            block.copy_(received[: block.shape[0]])
+    return out
 
 
 def optim_state_dict(
@@ -177,10 +268,16 @@ def full_optim_state_dict(
 ) -> dict[str, Any]:
     """Full (gathered, CPU) optimizer state keyed by name; only rank 0's is filled by default.
 
-    ``optim_input`` is accepted for torch's signature and ignored: ids follow ``optim``.
+    ``optim_input`` (deprecated) must list ``optim``'s parameters in its order, if given.
     """
     return named_optim_state_dict(
-        model, optim, full=True, rank0_only=rank0_only, offload_to_cpu=True, group=group
+        model,
+        optim,
+        full=True,
+        rank0_only=rank0_only,
+        offload_to_cpu=True,
+        group=group,
+        optim_input=optim_input,
     )
 
 
@@ -202,6 +299,7 @@ def named_to_loadable(
     broadcast_from_rank0: bool = False,
     keep_names: bool = False,
     group: dist.ProcessGroup | None = None,
+    optim_input: Iterable | None = None,
 ) -> dict[str, Any]:
     """Turn a name-keyed optimizer state dict into one ``optim.load_state_dict`` takes.
 
@@ -210,10 +308,11 @@ def named_to_loadable(
     ``broadcast_from_rank0`` only rank 0 needs ``named_osd``; it sends one tensor at a time.
     """
     group = _group_of(model, group)
+    param_groups = _param_groups(optim, model, optim_input)  # before any collective: it may raise
     if broadcast_from_rank0:
         named_osd = _broadcast_from_rank0(named_osd, group)
     names = param_names(model)
-    params = _optim_params(optim, model)
+    params = [p for g in param_groups for p in g["params"]]
     sharded = {id(p.sharded_param): p for w in wrappers_in(model) for p in w._unit.params}
     saved_state = named_osd["state"]
     state: dict[Any, Any] = {}
@@ -235,14 +334,13 @@ def named_to_loadable(
                 value = value.full_tensor()  # a plain (NO_SHARD, unwrapped) parameter here
             entry[key] = value
         state[fqn if keep_names else index] = entry
-    groups = _match_groups(named_osd["param_groups"], optim, params, names, keep_names)
+    groups = _match_groups(named_osd["param_groups"], param_groups, params, names, keep_names)
     return {"state": state, "param_groups": groups}
 
 
-def _match_groups(saved_groups, optim, params, names, keep_names) -> list[dict]:
+def _match_groups(saved_groups, groups_now, params, names, keep_names) -> list[dict]:
     """Pair each of the optimizer's groups with the saved group that holds its parameters."""
     ids = {param: index for index, param in enumerate(params)}
-    groups_now = optim.param_groups if optim is not None else [{"params": params}]
     result = []
     for group_now in groups_now:
         mine = [_name_of(names, p) for p in group_now["params"]]
@@ -346,9 +444,10 @@ def shard_full_optim_state_dict(
 ) -> dict[str, Any]:
     """This rank's part of a full, name-keyed optimizer state dict that every rank holds.
 
-    Ids follow ``optim`` if given, else ``model.parameters()``; ``optim_input`` is ignored.
+    Ids and groups follow ``optim_input`` (deprecated: what was passed to the optimizer) if
+    given, else ``optim``, else ``model.parameters()``, as in torch FSDP1.
     """
-    return named_to_loadable(model, optim, full_optim_state_dict)
+    return named_to_loadable(model, optim, full_optim_state_dict, optim_input=optim_input)
 
 
 def scatter_full_optim_state_dict(
@@ -360,7 +459,12 @@ def scatter_full_optim_state_dict(
 ) -> dict[str, Any]:
     """Like ``shard_full_optim_state_dict``, but only rank 0 holds the full state dict."""
     return named_to_loadable(
-        model, optim, full_optim_state_dict, broadcast_from_rank0=True, group=group
+        model,
+        optim,
+        full_optim_state_dict,
+        broadcast_from_rank0=True,
+        group=group,
+        optim_input=optim_input,
     )
 
 
@@ -375,8 +479,9 @@ def rekey_optim_state_dict(
 
     To load a full state dict from a wrapped model into a plain one: rekey to PARAM_ID with the
     plain model; the reverse: rekey a plain optimizer's state dict to PARAM_NAME. Ids count
-    ``optim``'s parameters if given, else ``model.parameters()``. As torch, each group's
-    ``params`` comes back sorted.
+    ``optim_input``'s parameters if given (deprecated), else ``optim``'s, else
+    ``model.parameters()``, as in torch FSDP1. As torch, each group's ``params`` comes back
+    sorted.
     """
     if optim_state_key_type not in (OptimStateKeyType.PARAM_NAME, OptimStateKeyType.PARAM_ID):
         raise ValueError(
@@ -391,7 +496,7 @@ def rekey_optim_state_dict(
     if not keys or all(by_name) == want_names:
         return optim_state_dict
     names = param_names(model)
-    params = _optim_params(optim, model)
+    params = _optim_params(optim, model, optim_input)
     id_to_name = {index: _name_of(names, p) for index, p in enumerate(params)}
     name_to_id = {n: index for index, p in enumerate(params) for n in names.get(p, [])}
     rename = id_to_name if want_names else name_to_id

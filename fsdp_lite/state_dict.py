@@ -15,12 +15,33 @@ model. Ranks gather in the same (module) order, so their collectives match.
 Note [What a loaded value means]: a DTensor is a shard already (copied, or resharded if its layout
 differs); a plain tensor is a full parameter, except under LOCAL_STATE_DICT, where it is this rank's
 rows. So one ``load_state_dict`` takes full, sharded (after ``dcp.load``) and local state dicts.
+A ShardedTensor (torch FSDP1's SHARDED values) is taken when its local shard is this rank's rows.
+
+Note [DTensor, not ShardedTensor]: SHARDED values are DTensors whatever ``_use_dtensor`` says.
+torch FSDP1 gives ShardedTensor unless ``_use_dtensor=True``, but torch deprecates ShardedTensor
+("Please use DTensor instead"), FSDP2 and torch's get_state_dict give DTensors, and DCP saves and
+loads both alike, so a checkpoint round trip is unchanged. What differs is reading a value by
+hand: ``.to_local()`` rather than ``.local_shards()`` / ``.local_tensor()``. Setting SHARDED
+without ``_use_dtensor=True`` warns saying so, once per call site.
+
+Note [torch's get_state_dict]: torch.distributed.checkpoint.state_dict puts native FSDP1 modules,
+which it finds by their class, into SHARDED_STATE_DICT (or FULL) itself, then gathers, offloads
+and distributes as its options say. It cannot find ours, so it treats them as FSDP2 modules and
+takes ``model.state_dict()`` as it comes: under FSDP1's default FULL_STATE_DICT that would be
+full tensors even for ``full_state_dict=False``. So while that helper is on the stack (its
+``_get_model_state_dict`` or ``_load_model_state_dict``), a wrapper answers as FSDP2 does:
+SHARDED, on the shards' device, whatever ``state_dict_type`` says (FSDP1's settings are overridden
+by the helper too). The helper does the rest, exactly as for FSDP2. Recognizing a caller by its
+frame reads no private state and patches nothing; if torch renames those functions, wrappers
+fall back to their settings and ``set_state_dict_type(SHARDED_STATE_DICT)`` still works.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +110,38 @@ def settings_of(wrapper: nn.Module) -> StateDictSettings:
     return wrapper._state_dict_settings
 
 
+# The functions of torch's state dict helper that call model.state_dict() / load_state_dict().
+TORCH_STATE_DICT_HELPER = (
+    "torch.distributed.checkpoint.state_dict",
+    {"_get_model_state_dict", "_load_model_state_dict"},
+)
+
+
+def _called_by_torch_helper() -> bool:
+    """Whether torch's get/set_state_dict is on the stack (Note [torch's get_state_dict])."""
+    module_name, function_names = TORCH_STATE_DICT_HELPER
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name in function_names
+            and frame.f_globals.get("__name__") == module_name
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def effective_settings(wrapper: nn.Module) -> StateDictSettings:
+    """The settings a state dict call uses: the wrapper's, or SHARDED under torch's helper."""
+    if _called_by_torch_helper():
+        return StateDictSettings(
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=False, _use_dtensor=True),
+            ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True),
+        )
+    return settings_of(wrapper)
+
+
 def set_state_dict_type(
     module: nn.Module,
     state_dict_type: StateDictType,
@@ -105,7 +158,46 @@ def set_state_dict_type(
 
     Returns:
         The settings that were in force before (those of the first wrapper).
+
+    Warns:
+        UserWarning: SHARDED_STATE_DICT without ``_use_dtensor=True``: the values are DTensors,
+            not torch FSDP1's ShardedTensor (Note [DTensor, not ShardedTensor]).
     """
+    if state_dict_type == StateDictType.SHARDED_STATE_DICT and not (
+        getattr(state_dict_config, "_use_dtensor", False)
+        and getattr(optim_state_dict_config, "_use_dtensor", True)  # None: the model's says it
+    ):  # see Note [DTensor, not ShardedTensor]
+        warnings.warn(SHARDED_TENSOR_NOTE, UserWarning, stacklevel=_user_stacklevel())
+    return _set_settings(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+
+SHARDED_TENSOR_NOTE = (
+    "fsdp_lite's SHARDED_STATE_DICT values are DTensors (Shard(0)) whatever _use_dtensor says, "
+    "where torch FSDP1 gives ShardedTensor unless _use_dtensor=True: read this rank's rows with "
+    ".to_local(), not .local_shards() or .local_tensor(). torch.distributed.checkpoint saves and "
+    "loads both alike. Pass ShardedStateDictConfig(_use_dtensor=True) and "
+    "ShardedOptimStateDictConfig(_use_dtensor=True) to say you expect DTensors."
+)
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside fsdp_lite (and contextlib, for ``with``), so
+    the warning names the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith("fsdp_lite") or name == "contextlib"):
+            break
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _set_settings(
+    module: nn.Module,
+    state_dict_type: StateDictType,
+    state_dict_config: StateDictConfig | None,
+    optim_state_dict_config: OptimStateDictConfig | None,
+) -> StateDictSettings:
     if not isinstance(state_dict_type, StateDictType):
         raise TypeError(f"state_dict_type must be StateDictType, got {state_dict_type!r}")
     config_type, optim_config_type = CONFIG_TYPES[state_dict_type]
@@ -168,8 +260,8 @@ def state_dict_type(
     try:
         yield
     finally:
-        if previous is not None:
-            set_state_dict_type(
+        if previous is not None:  # no second warning: these settings were set before
+            _set_settings(
                 module,
                 previous.state_dict_type,
                 previous.state_dict_config,
@@ -229,7 +321,7 @@ def after_state_dict(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str
     Called on the dict nn.Module.state_dict built for this wrapper's subtree, whose nested
     wrappers have already converted theirs (Note [Full state dict, one unit at a time]).
     """
-    settings = settings_of(wrapper)
+    settings = effective_settings(wrapper)
     config = settings.state_dict_config
     unit: ShardedUnit = wrapper._unit
     own = _own_keys(wrapper, prefix)
@@ -296,7 +388,7 @@ def before_load(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str) -> 
     ``_fsdp_wrapped_module.`` prefix back. Wrong shapes are left for nn.Module to report.
     """
     to_rest(wrapper)
-    is_local = settings_of(wrapper).state_dict_type == StateDictType.LOCAL_STATE_DICT
+    is_local = effective_settings(wrapper).state_dict_type == StateDictType.LOCAL_STATE_DICT
     wrapped_prefix = prefix + "_fsdp_wrapped_module."
     for key, p in _own_keys(wrapper, prefix).items():
         for name in (key, wrapped_prefix + key[len(prefix) :]):  # clean or raw key
@@ -311,6 +403,8 @@ def as_shard(value: Any, p: ShardedParam, is_local: bool, key: str) -> Any:
     if not p.is_sharded:
         return value.full_tensor() if isinstance(value, DTensor) else value
     target: DTensor = p.sharded_param
+    if _is_sharded_tensor(value):
+        return with_local(target, _rows_of_sharded_tensor(value, p, key).to(target.device))
     if isinstance(value, DTensor):
         same_layout = (
             value.placements == target.placements
@@ -333,6 +427,32 @@ def as_shard(value: Any, p: ShardedParam, is_local: bool, key: str) -> Any:
     start = p.rank * p.shard_rows
     rows = value[start : start + p.local_rows]  # this rank's rows, Note [Padding] in param.py
     return with_local(target, rows.to(target.device))
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    # Duck-typed: importing torch.distributed._shard would load the deprecated package for all.
+    return hasattr(value, "local_shards") and hasattr(value, "metadata")
+
+
+def _rows_of_sharded_tensor(value: Any, p: ShardedParam, key: str) -> torch.Tensor:
+    """This rank's rows from a ShardedTensor, if its local shard holds exactly them."""
+    start, rest = p.rank * p.shard_rows, tuple(p.orig_size[1:])
+    shards = value.local_shards()
+    if not shards and p.local_rows == 0:
+        return p.sharded_param.to_local()  # no rows here, in either layout
+    if len(shards) == 1:
+        meta = shards[0].metadata
+        if tuple(meta.shard_offsets) == (start,) + (0,) * len(rest) and tuple(meta.shard_sizes) == (
+            p.local_rows,
+            *rest,
+        ):
+            return shards[0].tensor
+    held = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in shards]
+    raise ValueError(
+        f"{key!r} is a ShardedTensor whose local shards (offsets, sizes) {held} are not this "
+        f"rank's rows [{start}, {start + p.local_rows}) (saved at another world size?): load it "
+        "with torch.distributed.checkpoint into this model's SHARDED_STATE_DICT, which reshards"
+    )
 
 
 def clean_load_result(result: Any) -> Any:

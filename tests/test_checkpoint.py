@@ -11,6 +11,8 @@ Launches: save at 4; a save killed at 2; then one launch each at 2 and 3 with ev
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import shutil
 import signal
@@ -183,6 +185,51 @@ def test_a_killed_save_leaves_the_previous_checkpoint_in_place(killed_save):
     assert (tmp / "ckpt" / ".metadata").exists(), "the previous checkpoint is gone"
     partial = tmp / ".ckpt.partial"
     assert partial.is_dir() and not (partial / ".metadata").exists(), sorted(tmp.iterdir())
+
+
+# ---- rank 0's rename fails (world size 2) -------------------------------------------------------
+
+
+def _failed_rename_rank(rank: int, world_size: int, tmp: str) -> tuple[str, float, bool]:
+    """Save, then save again with rank 0's final rename failing: every rank raises at once."""
+    import time
+    from unittest import mock
+
+    model, optim = _lm()
+    _step(model, optim, 0, rank, world_size)
+    checkpoint.save(model, optim, f"{tmp}/ckpt")
+    expected = copy.deepcopy(_full_state(model, optim))  # "step" is the optimizer's own tensor
+    _step(model, optim, 1, rank, world_size)
+    rename = Path.rename
+
+    def rename_fails_into_place(self, target):
+        if Path(target).name == "ckpt":  # .ckpt.partial -> ckpt: the last step of a save
+            raise OSError(28, "No space left on device")
+        return rename(self, target)
+
+    patch = mock.patch.object(Path, "rename", rename_fails_into_place) if rank == 0 else None
+    start = time.monotonic()
+    with patch or contextlib.nullcontext(), pytest.raises(CheckpointError) as error:
+        checkpoint.save(model, optim, f"{tmp}/ckpt")
+    seconds = time.monotonic() - start
+    dist.barrier()
+    # The previous checkpoint was moved aside before the failed rename; load falls back to it.
+    fresh, fresh_optim = _lm()
+    checkpoint.load(fresh, fresh_optim, f"{tmp}/ckpt")
+    _assert_same_state(_full_state(fresh, fresh_optim), expected, "after the failed rename")
+    return str(error.value), seconds, isinstance(error.value.__cause__, OSError)
+
+
+def test_a_failed_rename_on_rank0_raises_the_same_error_on_every_rank(tmp_path):
+    # A 20 s process-group timeout: a rank left waiting in a barrier would fail with gloo's
+    # timeout (or run_ranks' RankTimeout) instead of returning the CheckpointError.
+    results = run_ranks(_failed_rename_rank, 2, tmp_path, args=(str(tmp_path),), timeout=20)
+    (message0, seconds0, chained0), (message1, seconds1, chained1) = results
+    assert message0 == message1, results
+    assert "rank 0 could not move the new checkpoint" in message0, message0
+    assert "No space left on device" in message0, message0
+    assert chained0 and not chained1, "rank 0 chains the OSError itself"
+    print(f"save raised after {seconds0:.2f} s on rank 0, {seconds1:.2f} s on rank 1")
 
 
 # ---- loading: every check at world size 2 and 3 ---------------------------------------------------

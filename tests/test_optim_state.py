@@ -14,6 +14,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -25,6 +26,7 @@ from fsdp_lite import (
     StateDictType,
 )
 from fsdp_lite import FullyShardedDataParallel as FSDP
+from fsdp_lite.wrap import ModuleWrapPolicy
 from tests.parity import POLICIES, assert_close, build_model, loss_fn, rank_batch, shard_of
 from tests.ranks import run_ranks
 
@@ -303,6 +305,95 @@ def _check_native_fsdp1_full_state_dicts_both_ways(rank, world_size):
         assert_close(after[key], value, what=f"ours -> native, after a step: {key}", **EXACT)
 
 
+def _groups_out_of_model_order(model) -> list[dict]:
+    """Matrices first, then vectors without weight decay: ids no longer follow parameters()."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2]},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _check_optim_input_numbers_the_ids(rank, world_size):
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # optim_input is deprecated
+    model = FSDP(build_model("lm"), auto_wrap_policy=POLICIES["lm"])
+    groups = _groups_out_of_model_order(model)
+    optim = torch.optim.AdamW(groups, lr=0.01)
+    _train(model, optim, rank, world_size)
+    full = FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+    same = FSDP.full_optim_state_dict(model, optim, optim_input=groups, rank0_only=False)
+    _assert_state_equal(same, full, "optim_input = optim's groups")
+    # Another order than optim's would name the state wrongly: an error, before any collective.
+    reordered = list(reversed(list(model.parameters())))
+    with pytest.raises(
+        ValueError,
+        match="not list optim's parameters in optim's order .28 given, 28 in optim, first at position 0",
+    ):
+        FSDP.full_optim_state_dict(model, optim, optim_input=reordered, rank0_only=False)
+    # Loading with no optimizer at hand: optim_input says which ids and groups to produce.
+    fresh = FSDP(build_model("lm"), auto_wrap_policy=POLICIES["lm"])
+    fresh.load_state_dict(model.state_dict())
+    fresh_groups = _groups_out_of_model_order(fresh)
+    fresh_optim = torch.optim.AdamW(fresh_groups, lr=0.01)
+    loadable = FSDP.shard_full_optim_state_dict(
+        copy.deepcopy(full), fresh, optim_input=fresh_groups
+    )
+    assert [len(g["params"]) for g in loadable["param_groups"]] == [10, 18], loadable
+    fresh_optim.load_state_dict(loadable)
+    _assert_continues_like(fresh, fresh_optim, model, optim, rank, world_size, "optim_input")
+    # Without it, ids follow model.parameters() in one group: not this optimizer's layout.
+    by_model = FSDP.shard_full_optim_state_dict(copy.deepcopy(full), fresh)
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        torch.optim.AdamW(_groups_out_of_model_order(fresh), lr=0.01).load_state_dict(by_model)
+
+
+def _extra_nbytes_of_full_optim_state_dict(model, optim, rank0_only: bool) -> dict:
+    """Peak bytes a full optimizer state dict allocates beyond its output (MemTracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optim)
+    with tracker:
+        (before,) = tracker.get_tracker_snapshot("current").values()
+        full = FSDP.full_optim_state_dict(model, optim, rank0_only=rank0_only)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    output_nbytes = sum(
+        v.nbytes for e in full.get("state", {}).values() for v in e.values() if v.dim() > 0
+    )
+    return {"extra": peak["Total"] - before["Total"] - output_nbytes, "output": output_nbytes}
+
+
+def _check_rank0_only_full_optim_state_dict_memory(rank, world_size):
+    """rank0_only: rank 0 receives each state tensor into its output; the others hold nothing."""
+    torch.manual_seed(0)
+    # 63 rows do not divide by 2: rank 1's shard is one row short, the padded case.
+    linears = [nn.Linear(64, 64) for _ in range(3)] + [nn.Linear(64, 63)]
+    model = FSDP(nn.Sequential(*linears), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    optim = _adamw(model)
+    model(torch.randn(4, 64)).sum().backward()
+    optim.step()
+    tensor_nbytes = 64 * 64 * 4  # the largest state tensor, full
+    shard_nbytes = tensor_nbytes // world_size
+    figures = {
+        "rank0_only": _extra_nbytes_of_full_optim_state_dict(model, optim, rank0_only=True),
+        "every_rank": _extra_nbytes_of_full_optim_state_dict(model, optim, rank0_only=False),
+        "tensor_nbytes": tensor_nbytes,
+    }
+    extra, output = figures["rank0_only"]["extra"], figures["rank0_only"]["output"]
+    if rank == 0:
+        assert output > 8 * tensor_nbytes, figures  # 4 weights and 4 biases, two states each
+    else:
+        assert output == 0, figures
+    # At most one padded block: rank 1 pads its short shard of the (63, 64) state tensors, rank 0
+    # receives that block into a temporary before copying its 31 rows out.
+    assert 0 <= extra <= shard_nbytes, f"rank {rank}: {figures}"
+    # Gathering on every rank (rank0_only=False) gives rank 1 the whole output too.
+    assert figures["every_rank"]["output"] == figures["rank0_only"]["output"] or rank != 0
+    return figures
+
+
 CHECKS = [name[len("_check_") :] for name in dir() if name.startswith("_check_")]
 
 
@@ -310,8 +401,7 @@ def _all_checks_rank(rank: int, world_size: int) -> dict:
     outcomes = {}
     for name in CHECKS:
         try:
-            globals()[f"_check_{name}"](rank, world_size)
-            outcomes[name] = ("ok", "")
+            outcomes[name] = ("ok", globals()[f"_check_{name}"](rank, world_size))
         except Exception:  # noqa: BLE001 - reported by the test named after the check
             outcomes[name] = ("failed", traceback.format_exc())
         dist.barrier()
@@ -328,3 +418,48 @@ def test_optim_state(outcomes, check):
     for rank, by_check in enumerate(outcomes):
         status, detail = by_check[check]
         assert status == "ok", f"rank {rank}, check {check}:\n{detail}"
+
+
+def test_rank0_only_full_optim_state_dict_holds_nothing_extra_off_rank0(outcomes):
+    for rank, by_check in enumerate(outcomes):
+        status, figures = by_check["rank0_only_full_optim_state_dict_memory"]
+        assert status == "ok", figures
+        if rank != 0:  # the all-gather it replaced gave this rank every full tensor
+            assert figures["every_rank"]["output"] > 8 * figures["tensor_nbytes"], figures
+
+
+def test_rekey_with_optim_input_matches_native_fsdp1():
+    """torch FSDP1's rekey_optim_state_dict, given optim_input, on a plain model (one process)."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as NativeFSDP
+    from torch.distributed.fsdp import OptimStateKeyType as NativeKeyType
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # optim_input is deprecated
+    model = build_model("lm")
+    groups = _groups_out_of_model_order(model)
+    optim = torch.optim.AdamW(groups, lr=0.01)
+    x, y = rank_batch("lm", 0, 0, 1)
+    loss_fn("lm", model(x), y).backward()
+    optim.step()
+    by_id = optim.state_dict()
+    results = {}
+    impls = {"native": (NativeFSDP, NativeKeyType), "fsdp_lite": (FSDP, OptimStateKeyType)}
+    for what, (impl, key_type) in impls.items():
+        by_name = impl.rekey_optim_state_dict(by_id, key_type.PARAM_NAME, model, optim_input=groups)
+        back = impl.rekey_optim_state_dict(by_name, key_type.PARAM_ID, model, optim_input=groups)
+        # no optim_input and no optim: ids count model.parameters(), another numbering here
+        by_model = impl.rekey_optim_state_dict(by_name, key_type.PARAM_ID, model)
+        results[what] = (by_name, back, by_model)
+    for ours, theirs in zip(results["fsdp_lite"], results["native"]):
+        assert list(ours["state"]) == list(theirs["state"]), (list(ours["state"]), theirs)
+        assert ours["param_groups"] == theirs["param_groups"]
+        for key, entry in ours["state"].items():
+            assert all(entry[k] is theirs["state"][key][k] for k in entry), key
+    by_name, back, by_model = results["fsdp_lite"]
+    assert back["param_groups"] == by_id["param_groups"] and list(back["state"]) == list(
+        by_id["state"]
+    )
+    assert by_model["param_groups"] != by_id["param_groups"], "the test needs another order"
+    with pytest.raises(TypeError, match="optim_input must be a non-empty iterable"):
+        FSDP.rekey_optim_state_dict(by_name, OptimStateKeyType.PARAM_ID, model, optim_input=[1])

@@ -8,6 +8,7 @@ back by name, and each test below asserts one of them on every rank.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import traceback
 
 import pytest
@@ -179,6 +180,40 @@ def _check_local(rank, world_size, tmp):
     _assert_full_equal(fresh.state_dict(), want, "LOCAL roundtrip")
 
 
+def _check_sharded_values_are_dtensors_and_sharded_tensors_load(rank, world_size, tmp):
+    """_use_dtensor: DTensors either way, with a warning saying how to read them; native FSDP1's
+    ShardedTensor values load at the same world size."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as NativeFSDP
+    from torch.distributed.fsdp import StateDictType as NativeStateDictType
+
+    plain, model = build_model("lm"), _lm()
+    with pytest.warns(
+        UserWarning, match=r"rows with \.to_local\(\), not \.local_shards\(\)"
+    ) as caught:
+        FSDP.set_state_dict_type(model, SHARDED)
+    assert caught[0].filename == __file__, f"the warning names {caught[0].filename}"
+    assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+    expect_dtensors = ShardedStateDictConfig(_use_dtensor=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning once the user says DTensor
+        with FSDP.state_dict_type(model, SHARDED, expect_dtensors):
+            assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+    # native FSDP1's SHARDED_STATE_DICT (ShardedTensor values, the same rows per rank) loads here
+    warnings.filterwarnings("ignore", category=FutureWarning)  # FSDP1's deprecation notices
+    source = build_model("lm")
+    source.load_state_dict(_plus(plain.state_dict(), 1.0))
+    native = NativeFSDP(source, auto_wrap_policy=POLICIES["lm"], device_id=torch.device("cpu"))
+    with NativeFSDP.state_dict_type(native, NativeStateDictType.SHARDED_STATE_DICT):
+        native_sharded = native.state_dict()
+    assert type(native_sharded["tok.weight"]).__name__ == "ShardedTensor"
+    fresh = _lm()
+    with FSDP.state_dict_type(fresh, SHARDED, expect_dtensors):
+        fresh.load_state_dict(native_sharded)
+    _assert_full_equal(fresh.state_dict(), _plus(plain.state_dict(), 1.0), "from ShardedTensor")
+
+
 def _check_load_errors_name_unwrapped_keys(rank, world_size, tmp):
     model = _lm()
     full = model.state_dict()
@@ -204,11 +239,28 @@ def _native_fsdp2_lm():
     return fully_shard(model)
 
 
-def _check_dsd_matches_native_fsdp2(rank, world_size, tmp):
-    """torch's get/set_state_dict see an fsdp_lite model as they see an FSDP2 one.
+DSD_OPTIONS = [  # (full_state_dict, cpu_offload): what torch's helper takes
+    (False, False),
+    (False, True),
+    (True, False),
+    (True, True),
+]
 
-    They do not know fsdp_lite, so they take ``model.state_dict()`` as it comes (as for FSDP2):
-    the model must be in SHARDED_STATE_DICT for the sharded options (see docs/state_dicts.md).
+
+def _assert_same_values(mine, theirs, what: str) -> None:
+    assert type(mine) is type(theirs), f"{what}: {type(mine)} vs {type(theirs)}"
+    if isinstance(mine, DTensor):
+        assert mine.placements == theirs.placements, what
+        mine, theirs = mine.to_local(), theirs.to_local()
+    if torch.is_tensor(mine):
+        assert mine.device == theirs.device, f"{what}: {mine.device} vs {theirs.device}"
+    assert_close(mine, theirs, what=what, **EXACT)
+
+
+def _check_dsd_matches_native_fsdp2(rank, world_size, tmp):
+    """torch's get/set_state_dict give the same on an fsdp_lite model as on an FSDP2 one, with
+    no step beforehand: the wrappers stay in FSDP1's default FULL_STATE_DICT (Note [torch's
+    get_state_dict] in state_dict.py).
     """
     ours, native = _lm(), _native_fsdp2_lm()
     models = {"fsdp_lite": ours, "fsdp2": native}
@@ -217,61 +269,79 @@ def _check_dsd_matches_native_fsdp2(rank, world_size, tmp):
     for key, model in models.items():
         loss_fn("lm", model(x), y).backward()
         optims[key].step()
-    FSDP.set_state_dict_type(ours, SHARDED)
-    for full_state_dict in (False, True):
-        options = StateDictOptions(full_state_dict=full_state_dict)
+    for full_state_dict, cpu_offload in DSD_OPTIONS:
+        options = StateDictOptions(full_state_dict=full_state_dict, cpu_offload=cpu_offload)
+        what = f"full_state_dict={full_state_dict}, cpu_offload={cpu_offload}"
         got = {k: get_state_dict(m, optims[k], options=options) for k, m in models.items()}
         (our_model, our_optim), (their_model, their_optim) = got["fsdp_lite"], got["fsdp2"]
-        what = f"full_state_dict={full_state_dict}"
         assert list(our_model) == list(their_model), f"{what}: {list(our_model)}"
-        assert list(our_optim["state"]) == list(their_optim["state"]), what
-        assert our_optim["param_groups"] == their_optim["param_groups"], what
-        pairs = [(f"model {k}", v, their_model[k]) for k, v in our_model.items()]
-        for name, entry in our_optim["state"].items():
-            pairs += [
-                (f"optim {name} {k}", v, their_optim["state"][name][k]) for k, v in entry.items()
-            ]
-        for name, mine, theirs in pairs:
-            assert type(mine) is type(theirs), f"{what} {name}: {type(mine)} vs {type(theirs)}"
-            if isinstance(mine, DTensor):
-                assert mine.placements == theirs.placements, f"{what} {name}"
-                mine, theirs = mine.to_local(), theirs.to_local()
-            assert_close(mine, theirs, what=f"{what} {name}", **EXACT)
-        # and back: into a fresh fsdp_lite model and optimizer
-        fresh = _lm()
-        fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.01)
-        FSDP.set_state_dict_type(fresh, SHARDED)
-        set_state_dict(  # it may replace values in the dicts it is given: hand it copies
-            fresh,
-            fresh_optim,
-            model_state_dict=dict(our_model),
-            optim_state_dict=copy.deepcopy(our_optim),
-            options=options,
-        )
-        again_model, again_optim = get_state_dict(fresh, fresh_optim, options=options)
+        if full_state_dict and cpu_offload and rank != 0:  # torch: rank 0 only
+            assert our_model == {} and our_optim == {} == their_optim, what
+        else:
+            assert list(our_optim["state"]) == list(their_optim["state"]), what
+            assert our_optim["param_groups"] == their_optim["param_groups"], what
         for key, value in our_model.items():
-            a, b = again_model[key], value
-            if isinstance(a, DTensor):
-                a, b = a.to_local(), b.to_local()
-            assert_close(a, b, what=f"{what} set_state_dict {key}", **EXACT)
+            _assert_same_values(value, their_model[key], f"{what} model {key}")
+        for name, entry in our_optim.get("state", {}).items():
+            for key, value in entry.items():
+                theirs = their_optim["state"][name][key]
+                _assert_same_values(value, theirs, f"{what} optim {name}.{key}")
+        assert FSDP.get_state_dict_type(ours).state_dict_type == FULL, "settings changed"
+        # and back: into a fresh fsdp_lite model and optimizer, with other values
+        fresh = _lm()
+        fresh.load_state_dict(_plus(build_model("lm").state_dict(), 1.0))
+        fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+        sharded = StateDictOptions(full_state_dict=False)
+        want_model, want_optim = get_state_dict(ours, optims["fsdp_lite"], options=sharded)
+        if full_state_dict and cpu_offload:
+            # Only rank 0 holds it: rank 0 broadcasts. Model only: torch's optimizer path with
+            # an empty dict on the other ranks falls out of step with rank 0's broadcasts, for
+            # FSDP2 and fsdp_lite alike.
+            load_options = dataclasses.replace(options, broadcast_from_rank0=True)
+            set_model_state_dict(fresh, dict(our_model), options=load_options)
+            want_optim = None
+        else:
+            set_state_dict(  # it may replace values in the dicts it is given: hand it copies
+                fresh,
+                fresh_optim,
+                model_state_dict=dict(our_model),
+                optim_state_dict=copy.deepcopy(our_optim),
+                options=options,
+            )
+        again_model, again_optim = get_state_dict(fresh, fresh_optim, options=sharded)
+        for key, value in want_model.items():
+            _assert_same_values(again_model[key], value, f"{what} set_state_dict {key}")
+        if want_optim is None:
+            continue
+        for name, entry in want_optim["state"].items():
+            for key, value in entry.items():
+                mine = again_optim["state"][name][key]
+                _assert_same_values(mine, value, f"{what} set_state_dict optim {name}.{key}")
         # torch's full-state path hands hyperparameters back as lists (betas): compare as lists
         as_lists = lambda groups: [
             {k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups
         ]
-        assert as_lists(again_optim["param_groups"]) == as_lists(our_optim["param_groups"]), what
+        assert as_lists(again_optim["param_groups"]) == as_lists(want_optim["param_groups"]), what
 
 
-def _check_dsd_under_default_full_settings(rank, world_size, tmp):
-    # Under FSDP1's default FULL_STATE_DICT, model.state_dict() is full: torch's helper passes it
-    # through, with either option. Loading takes both full tensors and DTensors.
+def _check_dsd_overrides_the_settings_while_it_runs(rank, world_size, tmp):
+    # Under any state_dict_type, torch's helper gets shards (as its own FSDP1 support does, by
+    # entering state_dict_type itself); the settings are back in force afterwards.
     plain, model = build_model("lm"), _lm()
-    for full_state_dict in (True, False):
-        options = StateDictOptions(full_state_dict=full_state_dict)
-        got = get_model_state_dict(model, options=options)
-        _assert_full_equal(got, plain.state_dict(), f"default settings, {options}")
-        set_model_state_dict(model, _plus(got, 1.0), options=options)
+    for state_dict_type in (FULL, LOCAL, SHARDED):
+        FSDP.set_state_dict_type(model, state_dict_type)
+        got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+        for key, value in got.items():
+            assert isinstance(value, DTensor), f"{state_dict_type.name}: {key}"
+            want = shard_of(plain.state_dict()[key], rank, world_size)
+            assert_close(value.to_local(), want, what=f"{state_dict_type.name} {key}", **EXACT)
+        set_model_state_dict(model, {k: v + 1.0 for k, v in got.items()})
+        assert FSDP.get_state_dict_type(model).state_dict_type == state_dict_type
+        FSDP.set_state_dict_type(model, FULL)
         _assert_full_equal(model.state_dict(), _plus(plain.state_dict(), 1.0), "set")
         model.load_state_dict(plain.state_dict())
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    _assert_full_equal(full, plain.state_dict(), "full_state_dict=True")
 
 
 def _check_full_state_dict_memory(rank, world_size, tmp):
