@@ -129,6 +129,7 @@ class ShardedUnit:
         )  # 1D, unit_shard_numel
         shards = [offload.to_device(p.sharded_flat, self.compute_device) for p in self.params]
         collectives.all_gather_copy_in(shards, all_gather_input)
+        offload.after_copy_in(self.params, phase)
         for p in self.params:
             p.alloc_unsharded()
         self._record("all_gather", phase, all_gather_input)
@@ -269,6 +270,7 @@ class ShardedUnit:
             elif used > 0:
                 p.sharded_param.grad.copy_(piece.view(p.orig_size))
             offset += numel
+        offload.after_grads(self.trainable)
 
     def gather_full(
         self,
