@@ -15,6 +15,13 @@ to the page cache and the kernel writes them back), and the next touch faults th
 ``MADV_WILLNEED`` starts the kernel's read-ahead without mapping anything, which is how the next
 unit's shards are prefetched. Correctness never depends on either call: both are residency hints.
 
+Note [Stepping unit by unit]: an optimizer's ``step()`` touches every parameter, grad and state
+tensor before the post-step hook can drop any page, so the peak RSS of a plain step holds all of
+them. ``step(optimizer)`` calls ``optimizer.step()`` once per unit with each param group cut down
+to that unit's parameters, so at most one unit's pages are mapped at a time. Each parameter's
+update is the same arithmetic on the same state (Adam's ``step`` count is per parameter), so the
+result is bitwise the same; optimizers that combine parameters (LBFGS) must use a plain step.
+
 Note [Files a crash leaves behind]: each rank writes into a new directory named after the host, the
 pid and a random suffix, and only ever opens files it created there, so stale files are never read.
 The directory is removed by ``close(model)`` or at normal interpreter exit; on start a store also
@@ -39,7 +46,9 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-__all__ = ["DiskStore", "ParamFiles", "check_offload_dir", "close"]
+from fsdp_lite.state_dict import with_local
+
+__all__ = ["DiskStore", "ParamFiles", "check_offload_dir", "close", "step"]
 
 _DIR_RE = re.compile(r"^fsdp_lite-(?P<host>.+)-pid(?P<pid>\d+)-rank\d+-[0-9a-f]{8}$")
 
@@ -90,6 +99,7 @@ class ParamFiles:
         self.store = store
         self.stem = f"{len(store.params):05d}-{re.sub(r'[^A-Za-z0-9_.]', '_', fqn) or 'param'}"
         self.files: dict[str, _MappedFile] = {}  # "param", "grad", "state.<key>" -> file
+        self.unit_key: int | None = None  # which unit copies it in; known after the first forward
 
     def new(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed file-backed 1D tensor for ``kind``, replacing any earlier one."""
@@ -114,16 +124,7 @@ class ParamFiles:
             flat = f.tensor
         flat.copy_(local.reshape(-1))
         moved = flat.view(local.shape)
-        if isinstance(value, DTensor):
-            return DTensor.from_local(
-                moved,
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-        return moved
+        return with_local(value, moved) if isinstance(value, DTensor) else moved
 
     def release(self) -> None:
         for f in self.files.values():
@@ -195,6 +196,8 @@ class DiskStore:
         time: the order of the previous step, which is this step's order.
         """
         key = (unit_key, phase)
+        for f in files:
+            f.unit_key = unit_key
         if self._last is not None:
             self._next[self._last] = files
         self._last = key
@@ -215,13 +218,18 @@ class DiskStore:
 
     # ---- the step: optimizer -------------------------------------------------------------------
 
+    def files_of(self, p: torch.Tensor) -> ParamFiles | None:
+        """The files of an optimizer's parameter, if it is a shard of this store."""
+        local = p.to_local() if isinstance(p, DTensor) else p
+        files = self.by_ptr.get(local.data_ptr())
+        return files if files is not None and files.holds("param", local) else None
+
     def _managed(self, optim: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, ParamFiles]]:
         found = []
         for group in optim.param_groups:
             for p in group["params"]:
-                local = p.to_local() if isinstance(p, DTensor) else p
-                files = self.by_ptr.get(local.data_ptr())
-                if files is not None and files.holds("param", local):
+                files = self.files_of(p)
+                if files is not None:
                     found.append((p, files))
         return found
 
@@ -252,10 +260,40 @@ def close(model: torch.nn.Module) -> None:
     unlinked, not unmapped), but no new file can be made, so do not train on afterwards. Without
     it the directory goes at normal interpreter exit.
     """
+    _store_of(model, "close").close()
+
+
+def _store_of(model: torch.nn.Module, caller: str) -> DiskStore:
     config = getattr(model, "_config", None)
     if config is None or config.disk is None:
-        raise ValueError("close() needs a FullyShardedDataParallel root made with offload_dir")
-    config.disk.close()
+        raise ValueError(f"{caller}() needs a FullyShardedDataParallel root made with offload_dir")
+    return config.disk
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` one unit of ``model`` (a wrapped root) at a time.
+
+    Only one unit's params, grads and optimizer state are then resident at once; see Note
+    [Stepping unit by unit]. Parameters not under disk offload step together, last.
+    """
+    store = _store_of(model, "step")
+    groups = optimizer.param_groups
+    saved = [group["params"] for group in groups]
+    chunks: dict[object, set[int]] = {}  # unit key (None: not on disk) -> param ids
+    for params in saved:
+        for p in params:
+            files = store.files_of(p)
+            unit = files.unit_key if files is not None else None
+            chunks.setdefault(unit, set()).add(id(p))
+    rest = chunks.pop(None, None)
+    try:
+        for chunk in [*chunks.values(), *([rest] if rest else [])]:
+            for group, params in zip(groups, saved):
+                group["params"] = [p for p in params if id(p) in chunk]
+            optimizer.step()
+    finally:
+        for group, params in zip(groups, saved):
+            group["params"] = params
 
 
 def _call(store_ref: weakref.ref, method: str, optim: torch.optim.Optimizer) -> None:

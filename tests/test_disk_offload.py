@@ -50,7 +50,9 @@ def _disk_files(model: FSDP) -> dict:
     }
 
 
-def _parity_rank(rank: int, world_size: int, strategy_name: str, opt_name: str, base: str) -> None:
+def _parity_rank(
+    rank: int, world_size: int, strategy_name: str, opt_name: str, by_unit: bool, base: str
+) -> None:
     strategy = ShardingStrategy[strategy_name]
     offloads = {
         "memory": CPUOffload(offload_params=True),
@@ -66,6 +68,8 @@ def _parity_rank(rank: int, world_size: int, strategy_name: str, opt_name: str, 
         for k, offload in offloads.items()
     }
     optims = {k: OPTIMIZERS[opt_name](m.parameters()) for k, m in models.items()}
+    num_steps = []
+    optims["disk"].register_step_post_hook(lambda *args: num_steps.append(1))
     directory = models["disk"]._config.disk.directory
     assert os.path.dirname(directory) == base and f"rank{rank}" in directory, directory
     files = _disk_files(models["disk"])
@@ -87,8 +91,15 @@ def _parity_rank(rank: int, world_size: int, strategy_name: str, opt_name: str, 
                 local(p.grad), local(grads["memory"][name].grad), what=f"{what} grad {name}",
                 rtol=0.0, atol=0.0,
             )  # fmt: skip
+        optims["memory"].step()
+        num_steps.clear()
+        if by_unit:
+            disk_offload.step(models["disk"], optims["disk"])
+        else:
+            optims["disk"].step()
+        num_units = len(FSDP.fsdp_modules(models["disk"])) if by_unit else 1
+        assert len(num_steps) == num_units, f"{what}: {len(num_steps)} optimizer steps"
         for optim in optims.values():
-            optim.step()
             optim.zero_grad()
         assert _resident_kib(directory) == 0, f"{what}: file pages resident after the step"
         params = {k: dict(m.named_parameters()) for k, m in models.items()}
@@ -112,16 +123,17 @@ def _parity_rank(rank: int, world_size: int, strategy_name: str, opt_name: str, 
 
 
 @pytest.mark.parametrize(
-    ("strategy_name", "opt_name"),
-    [("FULL_SHARD", "adamw"), ("SHARD_GRAD_OP", "sgd_momentum")],
-    ids=["FULL_SHARD-adamw", "SHARD_GRAD_OP-sgd_momentum"],
+    ("strategy_name", "opt_name", "by_unit"),
+    [("FULL_SHARD", "adamw", True), ("SHARD_GRAD_OP", "sgd_momentum", False)],
+    ids=["FULL_SHARD-adamw-step_by_unit", "SHARD_GRAD_OP-sgd_momentum-optim_step"],
 )
 def test_disk_offload_trains_bitwise_like_cpu_offload_with_pages_released(
-    tmp_path, strategy_name, opt_name
+    tmp_path, strategy_name, opt_name, by_unit
 ):
     base = tmp_path / "offload"
     base.mkdir()
-    run_ranks(_parity_rank, 2, tmp_path, args=(strategy_name, opt_name, str(base)), timeout=120)
+    args = (strategy_name, opt_name, by_unit, str(base))
+    run_ranks(_parity_rank, 2, tmp_path, args=args, timeout=120)
     assert list(base.iterdir()) == []
 
 
