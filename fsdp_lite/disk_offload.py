@@ -70,6 +70,7 @@ class _MappedFile:
 
     def __init__(self, path: str, numel: int, dtype: torch.dtype) -> None:
         nbytes = numel * dtype.itemsize
+        self.path = path
         self.mmap = None
         if nbytes == 0:  # mmap cannot map nothing; an empty shard has no pages to move anyway
             self.tensor = torch.empty(0, dtype=dtype)
@@ -105,8 +106,10 @@ class ParamFiles:
         """A zeroed file-backed 1D tensor for ``kind``, replacing any earlier one."""
         old = self.files.pop(kind, None)
         path = os.path.join(self.store.directory, f"{self.stem}.{kind}.{uuid.uuid4().hex[:6]}")
-        if old is not None:
+        if old is not None:  # e.g. a grad of another dtype; tensors still mapping it stay valid
             old.release()
+            if old.mmap is not None:
+                os.unlink(old.path)
         self.files[kind] = _MappedFile(path, numel, dtype)
         return self.files[kind].tensor
 
