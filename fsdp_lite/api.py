@@ -8,6 +8,7 @@ branching on the strategy.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -68,9 +69,14 @@ class OptimStateKeyType(Enum):
 
 @dataclass
 class CPUOffload:
-    """Whether sharded parameters (and their gradients) live in CPU memory between uses."""
+    """Whether sharded parameters (and their gradients) live in CPU memory between uses.
+
+    ``offload_dir`` (fsdp_lite only, with ``offload_params=True``): keep them, and the optimizer
+    state, in memory-mapped files in a new directory under this one instead (docs/disk_offload.md).
+    """
 
     offload_params: bool = False
+    offload_dir: str | os.PathLike | None = None
 
 
 @dataclass(frozen=True)

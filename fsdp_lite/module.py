@@ -57,6 +57,7 @@ class UnitConfig:
     mesh: DeviceMesh  # 1-D (shard) or, for HYBRID_SHARD, 2-D (replicate, shard)
     replicate_group: dist.ProcessGroup | None  # HYBRID_SHARD: the same shard on other groups
     storage_device: torch.device  # where shards, grads and optimizer state live (offload.py)
+    disk: offload.DiskStore | None  # their files under CPUOffload(offload_dir=...); one per rank
     param_init_fn: Callable[[nn.Module], None] | None  # for meta-device modules
     sync_module_states: bool
     device: torch.device
@@ -75,7 +76,8 @@ class FullyShardedModule(nn.Module):
         process_group: the ranks to shard over (default: the default process group).
         sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP or NO_SHARD.
         cpu_offload: ``CPUOffload(offload_params=True)`` keeps sharded params, their grads and
-            the optimizer step in CPU memory (not with NO_SHARD).
+            the optimizer step in CPU memory (not with NO_SHARD); with ``offload_dir`` set, in
+            memory-mapped files under that directory (docs/disk_offload.md).
         auto_wrap_policy: chooses submodules that become units of their own (see fsdp_lite.wrap).
         backward_prefetch: when to start the next unit's all-gather in backward (default BACKWARD_PRE).
         mixed_precision: dtypes for the unsharded params, gradient reduction and buffers
@@ -571,6 +573,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         mesh=mesh,
         replicate_group=replicate_group,
         storage_device=offload.storage_device(device, offload_params),
+        disk=offload.disk_store(kw["cpu_offload"], dist.get_rank()),
         param_init_fn=kw["param_init_fn"],
         sync_module_states=kw["sync_module_states"],
         device=device,
@@ -609,6 +612,8 @@ def _apply_overrides(
         rules=STRATEGY_RULES[strategy],
         precision=resolve(mixed_precision),
         storage_device=offload.storage_device(config.device, offload_params),
+        # Nested units share the root's directory; a policy can turn disk offload off for one.
+        disk=config.disk if offload_params and cpu_offload.offload_dir is not None else None,
     )
 
 
@@ -814,6 +819,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
             storage_device=config.storage_device,
             compute_device=config.device,
             unsharded_buffer=buffers.get(p),
+            disk=config.disk,
         )
         for p in ordered
     ]

@@ -1,16 +1,34 @@
-"""Where a shard lives: on the compute device, or in CPU memory (ZeRO-Offload, arXiv 2101.06840).
+"""Where a shard lives: on the compute device, in CPU memory (ZeRO-Offload, arXiv 2101.06840), or in
+files on local disk (ZeRO-Infinity, arXiv 2104.07857).
 
 With ``CPUOffload(offload_params=True)`` each sharded param, its gradient and so the optimizer
 state and step stay in CPU memory; only the all-gather input and the unsharded params are on the
-compute device. This file is the one place that decides devices and copies between them; on a
-CPU-only machine both devices are the CPU and every copy below is skipped.
+compute device. With ``offload_dir`` set too they live in memory-mapped files that disk_offload.py
+owns, and the three functions at the bottom are where the engine tells it a shard was used. This
+file is the one place that decides devices and copies between them; on a CPU-only machine both
+devices are the CPU and every copy below is skipped.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-__all__ = ["new_shard", "storage_device", "to_device"]
+from fsdp_lite.api import CPUOffload
+
+if TYPE_CHECKING:
+    from fsdp_lite.disk_offload import DiskStore, ParamFiles
+    from fsdp_lite.param import ShardedParam
+
+__all__ = [
+    "after_copy_in",
+    "after_grads",
+    "disk_store",
+    "new_shard",
+    "storage_device",
+    "to_device",
+]
 
 
 def storage_device(compute: torch.device, offload_params: bool) -> torch.device:
@@ -18,9 +36,28 @@ def storage_device(compute: torch.device, offload_params: bool) -> torch.device:
     return torch.device("cpu") if offload_params else compute
 
 
-def new_shard(numel: int, dtype: torch.dtype, storage: torch.device, compute: torch.device):
+def disk_store(cpu_offload: CPUOffload | None, rank: int) -> DiskStore | None:
+    """This rank's files for ``CPUOffload(offload_dir=...)``, or None; checks the directory first."""
+    if cpu_offload is None or cpu_offload.offload_dir is None:
+        return None
+    from fsdp_lite.disk_offload import DiskStore, check_offload_dir
+
+    if not cpu_offload.offload_params:
+        raise ValueError("CPUOffload.offload_dir needs offload_params=True")
+    return DiskStore(check_offload_dir(cpu_offload.offload_dir), rank)
+
+
+def new_shard(
+    numel: int,
+    dtype: torch.dtype,
+    storage: torch.device,
+    compute: torch.device,
+    files: ParamFiles | None = None,
+):
     """A zeroed 1D shard buffer on ``storage``; pinned when it is CPU memory feeding a GPU,
-    so that copies to the GPU can run asynchronously."""
+    so that copies to the GPU can run asynchronously; a file mapping when ``files`` is given."""
+    if files is not None:
+        return files.store.new_shard(files, numel, dtype)
     shard = torch.zeros(numel, dtype=dtype, device=storage)
     if storage.type == "cpu" and compute.type == "cuda":
         shard = shard.pin_memory()
@@ -32,3 +69,17 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tensor.device == device:
         return tensor
     return tensor.to(device, non_blocking=tensor.is_pinned() or device.type == "cpu")
+
+
+def after_copy_in(params: list[ShardedParam], phase: str) -> None:
+    """The unit's shards are in ``all_gather_input``; on disk, drop them and read the next."""
+    files = [p.disk_files for p in params if p.disk_files is not None]
+    if files:
+        files[0].store.after_copy_in(id(files[0]), files, phase)
+
+
+def after_grads(params: list[ShardedParam]) -> None:
+    """The unit's grad shards are written; on disk, move them to their files."""
+    on_disk = [(p.disk_files, p.sharded_param) for p in params if p.disk_files is not None]
+    if on_disk:
+        on_disk[0][0].store.after_grads(on_disk)

@@ -74,6 +74,7 @@ class ShardedParam:
     shard_numel: int  # shard_rows * row_numel: this rank's piece of the flat buffers
     padded_numel: int  # world_size * shard_numel
     sharded_flat: torch.Tensor  # 1D, shard_numel, fp32; padding rows stay zero
+    disk_files: offload.ParamFiles | None  # its files under CPUOffload(offload_dir=...)
     sharded_param: nn.Parameter  # DTensor Shard(0) viewing sharded_flat[:local numel]
     unsharded_flat: torch.Tensor | None  # 1D, padded_numel; storage freed while resharded
     unsharded_param: nn.Parameter | None  # full shape, a view of unsharded_flat
@@ -91,6 +92,7 @@ class ShardedParam:
         storage_device: torch.device | None = None,
         compute_device: torch.device | None = None,
         unsharded_buffer: torch.Tensor | None = None,
+        disk: offload.DiskStore | None = None,
     ) -> None:
         if shard and orig_param.dim() == 0:
             raise NotImplementedError(
@@ -108,6 +110,7 @@ class ShardedParam:
         # Weak, so the full-size original can be freed; still alive only if something outside the
         # unit holds it, which is how a parameter tied across two units is detected.
         self.orig_param_ref = weakref.ref(orig_param)
+        self.disk_files = disk.new_param(fqn) if disk is not None and shard else None
         if not shard:
             self.shard_rows = self.local_rows = self.orig_size[0] if orig_param.dim() else 1
             self.shard_numel = self.padded_numel = self.local_numel = orig_param.numel()
@@ -135,7 +138,9 @@ class ShardedParam:
         # The shard lives on storage_device (CPU under CPUOffload); forward runs on compute_device.
         compute = compute_device or data.device
         storage = storage_device or compute
-        self.sharded_flat = offload.new_shard(self.shard_numel, data.dtype, storage, compute)
+        self.sharded_flat = offload.new_shard(
+            self.shard_numel, data.dtype, storage, compute, self.disk_files
+        )
         start = rank * self.shard_rows
         self.local_numel = self.local_rows * row_numel
         self.sharded_flat[: self.local_numel].copy_(

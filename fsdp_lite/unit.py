@@ -164,6 +164,7 @@ class ShardedUnit:
             self._gathered_versions = [
                 (p.sharded_param._version, p.sharded_flat._version) for p in self.params
             ]
+        offload.after_copy_in(self.params, phase)
         for p in self.params:
             p.alloc_unsharded()
         self._record("all_gather", phase, all_gather_input)
@@ -313,6 +314,7 @@ class ShardedUnit:
             elif used > 0:
                 p.sharded_param.grad.copy_(piece.view(p.orig_size))
             offset += numel
+        offload.after_grads(self.trainable)
 
     def gather_full(
         self,
