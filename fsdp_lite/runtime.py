@@ -41,6 +41,7 @@ class StepRuntime:
         self._position: dict[ShardedUnit, int] = {}  # unit -> index in forward_order, for the hooks
         self._recording_order = True
         self._callback_queued = False
+        self._reducing: ShardedUnit | None = None  # the latest unit whose reduction is in flight
         self.sync_grads = True  # False inside no_sync(): keep unsharded grads, skip reduction
 
     # ---- forward -----------------------------------------------------------------------------
@@ -114,8 +115,13 @@ class StepRuntime:
             unit.trace.compute(unit, "backward", "end")
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch(unit, step=-1, phase="backward")
-        if self.sync_grads:
+        if self.sync_grads and unit.trainable:
             unit.reduce_grads()
+            # Each reduction in flight holds its unit's whole gradient buffer until it lands, so
+            # wait for the previous one now: at most two units' worth, not the whole model.
+            previous, self._reducing = self._reducing, unit
+            if previous is not None:
+                previous.finish_reduce()
         unit.reshard()
         unit.training_state = TrainingState.IDLE
 
@@ -129,6 +135,7 @@ class StepRuntime:
             unit.finish_reduce()
             unit.reshard()
             unit.reset_backward()
+        self._reducing = None
         self._callback_queued = False
         self._recording_order = False
 

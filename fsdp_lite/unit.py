@@ -165,8 +165,6 @@ class ShardedUnit:
                 (p.sharded_param._version, p.sharded_flat._version) for p in self.params
             ]
         offload.after_copy_in(self.params, phase)
-        for p in self.params:
-            p.alloc_unsharded()
         self._record("all_gather", phase, all_gather_input)
         self._all_gather = collectives.all_gather(all_gather_input, self.group, async_op=async_op)
 
@@ -181,6 +179,9 @@ class ShardedUnit:
             # The copy writes into tensors autograd saved in forward; their contents are the same
             # values again, so keep the version counters that would otherwise fail the backward.
             for p in self.params:
+                # Allocated only now, not when the all-gather started: a prefetched unit in
+                # flight holds its all_gather_output alone.
+                p.alloc_unsharded()
                 stack.enter_context(
                     torch.autograd._unsafe_preserve_version_counter(p.unsharded_param)
                 )
