@@ -64,6 +64,7 @@ class SystemSpec:
     strategy: str | None = None  # a ShardingStrategy member name for fsdp1 / lite
     # Collectives per step in units of psi*(N-1)/N (all-gathers, reduce-scatters, all-reduces).
     theory: tuple[int, int, int] = (0, 0, 0)
+    replicas: int = 1  # HYBRID_SHARD: the shard group is world_size / replicas ranks
 
 
 def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
@@ -87,7 +88,7 @@ def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
     else:
         left_out["fsdp_lite/SHARD_OPTIM"] = "this fsdp_lite has no ShardingStrategy.SHARD_OPTIM"
     if world_size >= 4 and world_size % 2 == 0:
-        specs.append(SystemSpec("fsdp_lite/HYBRID_SHARD", "lite", "HYBRID_SHARD"))
+        specs.append(SystemSpec("fsdp_lite/HYBRID_SHARD", "lite", "HYBRID_SHARD", (2, 1, 0), 2))
     else:
         left_out["fsdp_lite/HYBRID_SHARD"] = (
             f"world size {world_size}: needs 2 replicas of at least 2 shards (an even world size >= 4)"
@@ -155,7 +156,9 @@ def build_system(
 
             world_size = dist.get_world_size()
             kwargs["device_mesh"] = init_device_mesh(
-                "cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")
+                "cpu",
+                (spec.replicas, world_size // spec.replicas),
+                mesh_dim_names=("replicate", "shard"),
             )
         model = fsdp_lite.FullyShardedDataParallel(
             model,
@@ -256,14 +259,16 @@ def _group_size(arg) -> int:
     return dist.ProcessGroup.unbox(arg).size()
 
 
-def trace_sent_nbytes(records, world_size: int) -> dict[str, float]:
-    """Ring volume per kind from fsdp_lite.trace records (which hold this rank's input numel)."""
+def trace_sent_nbytes(records, group_sizes: dict[str, int]) -> dict[str, float]:
+    """Ring volume per kind from fsdp_lite.trace records, which hold this rank's input numel."""
     sent: dict[str, float] = {}
     for r in records:
-        if r.kind == "all_gather":  # the output is world_size inputs
-            nbytes = r.nbytes * world_size * (world_size - 1) / world_size
+        group_size = group_sizes[r.kind]
+        ring = (group_size - 1) / group_size
+        if r.kind == "all_gather":  # the output is group_size inputs
+            nbytes = r.nbytes * group_size * ring
         else:
-            nbytes = r.nbytes * (2 if r.kind == "all_reduce" else 1) * (world_size - 1) / world_size
+            nbytes = r.nbytes * (2 if r.kind == "all_reduce" else 1) * ring
         sent[r.kind] = sent.get(r.kind, 0.0) + nbytes
     return sent
 
@@ -302,7 +307,7 @@ def tracked_peak_nbytes(system: System, batches: list) -> int:
 
 def run_system(spec: SystemSpec, precision: str, args, cfg: GPTConfig, measure: bool) -> dict:
     """Train one system from the seed for warm-up + timed steps on this rank; return what it saw."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     system = build_system(spec, precision, cfg, args.seed)
     seconds, losses = [], []
     timed = math.ceil(args.steps / args.rounds)
@@ -315,24 +320,59 @@ def run_system(spec: SystemSpec, precision: str, args, cfg: GPTConfig, measure: 
             losses.append(loss)
     out = {"seconds": seconds, "losses": losses}
     if measure:
-        out["state_nbytes"] = state_nbytes(system)  # after a step: grads are allocated
-        batch = make_batch(cfg, args.batch, args.seed, args.warmup + timed, rank)
-        counter = CountCollectives()
-        trace = contextlib.nullcontext()
-        if spec.kind == "lite":
-            from fsdp_lite.trace import record_collectives
-
-            trace = record_collectives(system.model)
-        with trace as records, counter:
-            train_step(system, *batch)
-        out["sent_nbytes"] = counter.sent_nbytes
-        out["collective_calls"] = counter.calls
-        if records is not None:
-            out["trace_sent_nbytes"] = trace_sent_nbytes(records.records, world_size)
-        extra = [make_batch(cfg, args.batch, args.seed, 10_000 + i, rank) for i in range(2)]
-        out["peak_tracked_nbytes"] = tracked_peak_nbytes(system, extra)
+        out.update(measure_system(system, args, cfg, args.warmup + timed))
     del system
     dist.barrier()  # the next system starts on every rank together
+    return out
+
+
+def run_interleaved(names: list[str], specs: dict, precision: str, args, cfg: GPTConfig) -> dict:
+    """All ``names`` built at once and stepped in turn, step by step, so that a change in machine
+    load falls on every system alike; a barrier lines the ranks up before each timed step."""
+    rank = dist.get_rank()
+    systems = [build_system(specs[name], precision, cfg, args.seed) for name in names]
+    outs = {name: {"seconds": [], "losses": []} for name in names}
+    for step in range(args.warmup + args.steps):
+        inputs, targets = make_batch(cfg, args.batch, args.seed, step, rank)
+        turn = step % len(systems)  # who goes first rotates, so no system always follows another
+        for name, system in zip(names[turn:] + names[:turn], systems[turn:] + systems[:turn]):
+            dist.barrier()
+            start = time.perf_counter()
+            loss = train_step(system, inputs, targets)
+            if step >= args.warmup:
+                outs[name]["seconds"].append(time.perf_counter() - start)
+                outs[name]["losses"].append(loss)
+    for name, system in zip(names, systems):
+        outs[name].update(measure_system(system, args, cfg, args.warmup + args.steps))
+    del systems
+    dist.barrier()
+    return outs
+
+
+def measure_system(system: System, args, cfg: GPTConfig, next_step: int) -> dict:
+    """State bytes now, sent bytes over one more step, tracked peak over two more."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    spec = system.spec
+    out: dict = {"state_nbytes": state_nbytes(system)}  # after a step: grads are allocated
+    batch = make_batch(cfg, args.batch, args.seed, next_step, rank)
+    counter = CountCollectives()
+    trace = contextlib.nullcontext()
+    if spec.kind == "lite":
+        from fsdp_lite.trace import record_collectives
+
+        trace = record_collectives(system.model)
+    with trace as records, counter:
+        train_step(system, *batch)
+    out["sent_nbytes"] = counter.sent_nbytes
+    out["collective_calls"] = counter.calls
+    if records is not None:
+        # HYBRID_SHARD gathers and scatters in a shard group, all-reduces across replicas.
+        shard_size = world_size // spec.replicas
+        group_sizes = {"all_gather": shard_size, "reduce_scatter": shard_size}
+        group_sizes["all_reduce"] = spec.replicas if spec.replicas > 1 else world_size
+        out["trace_sent_nbytes"] = trace_sent_nbytes(records.records, group_sizes)
+    extra = [make_batch(cfg, args.batch, args.seed, 10_000 + i, rank) for i in range(2)]
+    out["peak_tracked_nbytes"] = tracked_peak_nbytes(system, extra)
     return out
 
 
@@ -358,30 +398,32 @@ def model_numels(cfg: GPTConfig, world_size: int) -> dict[str, int]:
     }
 
 
-def theory_nbytes(spec: SystemSpec, precision: str, numels: dict, world_size: int) -> dict | None:
+def theory_nbytes(spec: SystemSpec, precision: str, cfg: GPTConfig, world_size: int) -> dict | None:
     """ZeRO's bytes per rank per step (3 psi (N-1)/N for ZeRO-3, 2 psi for ZeRO-2 and DDP), each
-    collective in its own dtype: all-gathers in the param dtype, reductions in fp32 here."""
+    collective in its own dtype: all-gathers in the param dtype, reductions in fp32 here.
+
+    HYBRID_SHARD runs ZeRO-3 within a shard group of S = N / R ranks and all-reduces each 1/S
+    gradient shard across the R replicas: 3 psi (S-1)/S + 2 (psi/S) (R-1)/R.
+    """
     if spec.kind == "single":
         return None
     param_itemsize = 2 if precision == "bf16" and spec.kind != "ddp" else 4
     reduce_itemsize = 4
-    ring = (world_size - 1) / world_size
-    if spec.strategy == "HYBRID_SHARD":
-        shard_size = world_size // 2
-        shard_ring = (shard_size - 1) / shard_size
-        psi = numels["psi"]
-        theory = (2 * param_itemsize + reduce_itemsize) * psi * shard_ring
-        theory += 2 * reduce_itemsize * psi / shard_size * 0.5  # 2 replicas: (R-1)/R = 1/2
-        return {"theory": theory, "root_kept": 0.0, "padding": 0.0}
+    replicas = spec.replicas
+    shard_size = world_size // replicas
+    numels = model_numels(cfg, shard_size)
+    shard_ring = (shard_size - 1) / shard_size
     all_gathers, reduce_scatters, all_reduces = spec.theory
-    per_psi = all_gathers * param_itemsize + reduce_scatters * reduce_itemsize + 2 * all_reduces * 4
-    extra = numels["psi_padded"] - numels["psi"]
+    # Bytes per element of psi that move in sharded form (padded) and whole (not padded).
+    sharded = (all_gathers * param_itemsize + reduce_scatters * reduce_itemsize) * shard_ring
+    sharded += 2 * reduce_itemsize / shard_size * (replicas - 1) / replicas
+    whole = 2 * all_reduces * reduce_itemsize * (world_size - 1) / world_size
     # A root that keeps its params after forward skips its backward all-gather.
-    root_kept = numels["root"] * param_itemsize * ring if all_gathers == 2 else 0.0
+    root_kept = numels["root"] * param_itemsize * shard_ring if all_gathers == 2 else 0.0
     return {
-        "theory": per_psi * numels["psi"] * ring,
+        "theory": (sharded + whole) * numels["psi"],
         "root_kept": root_kept,
-        "padding": per_psi * extra * ring,
+        "padding": sharded * (numels["psi_padded"] - numels["psi"]),
     }
 
 
@@ -439,10 +481,24 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, plan: list) 
         specs = {s.name: s for s in all_systems(args.world_size)[0]}
         raw: dict[tuple[str, str], list[dict]] = {}
         started = time.perf_counter()
+        if args.interleave:
+            for i, precision in enumerate(dict.fromkeys(p for p, _ in plan)):
+                names = [n for p, n in plan if p == precision]
+                outs = run_interleaved(names, specs, precision, args, cfg)
+                for name in names:
+                    everyone = [None] * args.world_size
+                    dist.all_gather_object(everyone, outs[name])
+                    raw[(precision, name)] = [everyone]
+                if rank == 0:
+                    say(
+                        f"[{i + 1}] {precision}: {len(names)} systems interleaved, "
+                        f"{args.steps} steps each ({time.perf_counter() - started:.0f} s elapsed)"
+                    )
         runs = [
             (r, item)
             for r in range(args.rounds)
             for item in (plan if r % 2 == 0 else list(reversed(plan)))
+            if not args.interleave
         ]
         for i, (r, (precision, name)) in enumerate(runs):
             out = run_system(specs[name], precision, args, cfg, measure=(r == 0))
@@ -527,7 +583,7 @@ def summarize(raw: dict, args: argparse.Namespace, cfg: GPTConfig, specs: dict) 
         if "trace_sent_nbytes" in first[0]:
             row["trace_sent_nbytes"] = [o["trace_sent_nbytes"] for o in first]
         row["sent_nbytes_total"] = max(sum(s.values()) for s in row["sent_nbytes"])
-        theory = theory_nbytes(spec, precision, numels, world_size)
+        theory = theory_nbytes(spec, precision, cfg, world_size)
         if theory is not None:
             row["theory_nbytes"] = theory
             row["sent_vs_theory"] = row["sent_nbytes_total"] / theory["theory"]
@@ -551,9 +607,12 @@ def summarize(raw: dict, args: argparse.Namespace, cfg: GPTConfig, specs: dict) 
             "params": numels["psi"],
             "params_padded": numels["psi_padded"],
             "batch_per_rank": args.batch,
-            "steps": args.rounds * math.ceil(args.steps / args.rounds),
+            "steps": args.steps
+            if args.interleave
+            else args.rounds * math.ceil(args.steps / args.rounds),
             "warmup_per_round": args.warmup,
-            "rounds": args.rounds,
+            "rounds": 1 if args.interleave else args.rounds,
+            "interleaved": args.interleave,
             "optimizer": "AdamW lr 1e-3",
             "threads_per_rank": args.threads,
             "torch": torch.__version__,
@@ -561,7 +620,16 @@ def summarize(raw: dict, args: argparse.Namespace, cfg: GPTConfig, specs: dict) 
             "cpus": os.cpu_count(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
-        "definitions": DEFINITIONS,
+        "definitions": {
+            **DEFINITIONS,
+            "step_s": DEFINITIONS["step_s"]
+            + (
+                "; --interleave: all systems of a precision built at once and stepped in turn, "
+                "a barrier before each step"
+                if args.interleave
+                else ""
+            ),
+        },
         "left_out": args.left_out,
         "results": rows,
         "targets": targets(by_key),
@@ -667,7 +735,7 @@ def format_table(report: dict) -> str:
     lines = [
         "",
         f"world size {cfg['world_size']}, {cfg['params']:,} params, batch {cfg['batch_per_rank']} x "
-        f"{cfg['model']['seq_len']} per rank, {cfg['steps']} timed steps in {cfg['rounds']} rounds "
+        f"{cfg['model']['seq_len']} per rank, {cfg['steps']} timed steps in {cfg['rounds']} round(s) "
         f"after {cfg['warmup_per_round']} warm-up, torch {cfg['torch']}, {cfg['threads_per_rank']} "
         "thread(s) per rank",
         header,
@@ -772,6 +840,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--warmup", type=int, default=2, help="untimed steps before each round's timing (default 2)"
     )
     add("--rounds", type=int, default=2, help="rounds over all systems (default 2)")
+    add(
+        "--interleave",
+        action="store_true",
+        help="build every system of a precision at once and step them in turn (fairer on a busy "
+        "machine; holds all of them in memory; --rounds is ignored)",
+    )
     add("--layers", type=int, default=6, help="transformer blocks (default 6)")
     add("--d-model", type=int, default=384, help="model width (default 384)")
     add("--heads", type=int, default=6, help="attention heads (default 6)")
@@ -830,7 +904,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     say(
-        f"bench: {len(args.plan)} runs x {args.rounds} rounds on {args.world_size} ranks: "
+        f"bench: {len(args.plan)} runs "
+        + ("interleaved" if args.interleave else f"x {args.rounds} rounds")
+        + f" on {args.world_size} ranks: "
         + ", ".join(f"{p} {n}" for p, n in args.plan)
     )
     for name, reason in args.left_out.items():
