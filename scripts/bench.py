@@ -289,9 +289,10 @@ def state_nbytes(system: System) -> dict[str, int]:
     return counted
 
 
-def tracked_peak_nbytes(system: System, batches: list) -> int:
-    """Peak of what torch's MemTracker sees over the last of ``batches`` (params, grads, optimizer
-    state, activations, temporaries, communication buffers), after one step to settle."""
+def tracked_peak_nbytes(system: System, batches: list) -> dict[str, int]:
+    """Peak of what torch's MemTracker sees over the last of ``batches``, after one step to settle:
+    ``Total``, and MemTracker's own split of its peak snapshot (Parameter, Gradient, Optstate,
+    Activation, Temp, ...)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -301,8 +302,12 @@ def tracked_peak_nbytes(system: System, batches: list) -> int:
             if i == len(batches) - 1:
                 tracker.reset_mod_stats()
             train_step(system, inputs, targets)
-    peak = tracker.get_tracker_snapshot("peak")
-    return int(sum(per_device["Total"] for per_device in peak.values()))
+    split: dict[str, int] = {}
+    for per_device in tracker.get_tracker_snapshot("peak").values():
+        for kind, nbytes in per_device.items():
+            name = kind if isinstance(kind, str) else kind.value
+            split[name] = split.get(name, 0) + int(nbytes)
+    return split
 
 
 def run_system(spec: SystemSpec, precision: str, args, cfg: GPTConfig, measure: bool) -> dict:
@@ -342,6 +347,9 @@ def run_interleaved(names: list[str], specs: dict, precision: str, args, cfg: GP
             if step >= args.warmup:
                 outs[name]["seconds"].append(time.perf_counter() - start)
                 outs[name]["losses"].append(loss)
+        if rank == 0:
+            label = "warm-up" if step < args.warmup else "timed"
+            say(f"  {precision} step {step + 1}/{args.warmup + args.steps} ({label}) done")
     for name, system in zip(names, systems):
         outs[name].update(measure_system(system, args, cfg, args.warmup + args.steps))
     del systems
@@ -372,7 +380,8 @@ def measure_system(system: System, args, cfg: GPTConfig, next_step: int) -> dict
         group_sizes["all_reduce"] = spec.replicas if spec.replicas > 1 else world_size
         out["trace_sent_nbytes"] = trace_sent_nbytes(records.records, group_sizes)
     extra = [make_batch(cfg, args.batch, args.seed, 10_000 + i, rank) for i in range(2)]
-    out["peak_tracked_nbytes"] = tracked_peak_nbytes(system, extra)
+    out["peak_tracked_split"] = tracked_peak_nbytes(system, extra)
+    out["peak_tracked_nbytes"] = out["peak_tracked_split"]["Total"]
     return out
 
 
@@ -576,6 +585,7 @@ def summarize(raw: dict, args: argparse.Namespace, cfg: GPTConfig, specs: dict) 
             ],
             "final_loss_rank0": first[0]["losses"][-1],
             "peak_tracked_nbytes": [o["peak_tracked_nbytes"] for o in first],
+            "peak_tracked_split_rank0": first[0]["peak_tracked_split"],
             "state_nbytes": [o["state_nbytes"] for o in first],
             "sent_nbytes": [o["sent_nbytes"] for o in first],
             "collective_calls": first[0]["collective_calls"],

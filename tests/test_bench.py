@@ -20,12 +20,9 @@ TINY += ["--batch", "2", "--steps", "2", "--rounds", "1", "--warmup", "1", "--pr
 SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD"]
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
+def run_bench(out: Path, *flags: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), *TINY]
-        + ["--systems", ",".join(SYSTEMS), "--json", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), *TINY, *flags, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -34,6 +31,13 @@ def report(tmp_path_factory) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "targets (fp32, fsdp_lite/FULL_SHARD)" in proc.stdout  # the printed table's end
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    return run_bench(
+        tmp_path_factory.mktemp("bench") / "bench.json", "--systems", ",".join(SYSTEMS)
+    )
 
 
 def test_bench_json_has_one_row_per_system_with_every_measurement(report):
@@ -69,6 +73,16 @@ def test_fsdp_lite_full_shard_sends_zero3_theory_within_padding(report):
     assert lite["sent_nbytes"][0]["all_gather"] == fsdp2["sent_nbytes"][0]["all_gather"]
     # The same seeded model and batches, and fp32 at 2 ranks: the same loss, bit for bit.
     assert lite["final_loss_rank0"] == fsdp2["final_loss_rank0"]
+
+
+def test_interleaved_systems_train_as_they_do_alone(report, tmp_path):
+    # All systems live at once and step in turn; none may disturb another's training.
+    interleaved = run_bench(tmp_path / "bench.json", "--interleave", "--systems", ",".join(SYSTEMS))
+    assert interleaved["config"]["interleaved"] is True
+    for alone, together in zip(report["results"], interleaved["results"]):
+        assert together["system"] == alone["system"]
+        assert together["final_loss_rank0"] == alone["final_loss_rank0"], together["system"]
+        assert together["sent_nbytes"] == alone["sent_nbytes"], together["system"]
 
 
 def test_unknown_system_is_refused_before_any_rank_starts(capsys):
