@@ -12,9 +12,12 @@ size), counted from the c10d ops every system issues, against ZeRO's theory.
 
     python scripts/bench.py [--json out.json] [--plot out.png] [--world-size 2] [--steps 20]
         [--layers 6] [--d-model 384] [--vocab 4096] [--seq-len 128] [--batch 4] [--precision fp32,bf16]
+        [--interleave]
 
 The compute floor ("single") runs the unwrapped model with no process group calls on every rank at
 once, each on its own per-rank batch, so it shares the cores as the distributed systems do.
+``--interleave`` builds every system of a precision at once and steps them in turn instead of
+rounds. benchmarks/ runs the same systems as pytest-benchmark cases through ``follow_rank0``.
 """
 
 from __future__ import annotations

@@ -89,3 +89,16 @@ def test_unknown_system_is_refused_before_any_rank_starts(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--systems", "fsdp_lite/ZERO_4"])
     assert "unknown system 'fsdp_lite/ZERO_4'" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    bench.plot(report, str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_so_and_writes_nothing(report, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises
+    bench.plot(report, str(tmp_path / "bench.png"))
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "bench.png").exists()
