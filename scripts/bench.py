@@ -1,0 +1,963 @@
+"""Side-by-side benchmark: fsdp_lite's strategies against a single process, DDP, FSDP1 and FSDP2.
+
+One invocation launches ``--world-size`` gloo ranks once; on them every system trains the same
+seeded GPT-like model on the same per-rank batches, one system after another, each freed before the
+next, in ``--rounds`` rounds (system order reversed in every other round, to spread drift in machine
+load over all systems). For each system and precision it reports the median and IQR of step time
+(forward + backward + AdamW step, slowest rank per step), the ratio to native FSDP2 and to the
+compute floor, the peak memory that torch's MemTracker sees, the bytes of params + grads + optimizer
+state each rank holds against the ideal (single process's bytes / world size), and the bytes each
+rank sends per step (ring algorithm: (g-1)/g of each buffer, twice for an all-reduce, g = group
+size), counted from the c10d ops every system issues, against ZeRO's theory.
+
+    python scripts/bench.py [--json out.json] [--plot out.png] [--world-size 2] [--steps 20]
+        [--layers 6] [--d-model 384] [--vocab 4096] [--seq-len 128] [--batch 4] [--precision fp32,bf16]
+        [--interleave]
+
+The compute floor ("single") runs the unwrapped model with no process group calls on every rank at
+once, each on its own per-rank batch, so it shares the cores as the distributed systems do.
+``--interleave`` builds every system of a precision at once and steps them in turn instead of
+rounds. benchmarks/ runs the same systems as pytest-benchmark cases through ``follow_rank0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python scripts/bench.py` from a checkout that is not installed
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from conformance.models import Block, GPTConfig, TinyLM  # noqa: E402
+from fsdp_lite.demo import storage_nbytes  # noqa: E402
+
+MiB = 1024**2
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+REFERENCE = "torch_fsdp2"  # the "x FSDP2" column
+FLOOR = "single"
+
+# ---- the systems ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemSpec:
+    name: str  # what --systems selects and the table shows
+    kind: str  # "single" | "ddp" | "fsdp1" | "fsdp2" | "lite"
+    strategy: str | None = None  # a ShardingStrategy member name for fsdp1 / lite
+    # Collectives per step in units of psi*(N-1)/N (all-gathers, reduce-scatters, all-reduces).
+    theory: tuple[int, int, int] = (0, 0, 0)
+    replicas: int = 1  # HYBRID_SHARD: the shard group is world_size / replicas ranks
+
+
+def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
+    """The systems this world size and this fsdp_lite can run, and why any others are left out."""
+    import fsdp_lite
+
+    specs = [
+        SystemSpec(FLOOR, "single"),
+        SystemSpec("ddp", "ddp", theory=(0, 0, 1)),
+        SystemSpec("torch_fsdp1/FULL_SHARD", "fsdp1", "FULL_SHARD", (2, 1, 0)),
+        SystemSpec("torch_fsdp1/SHARD_GRAD_OP", "fsdp1", "SHARD_GRAD_OP", (1, 1, 0)),
+        SystemSpec(REFERENCE, "fsdp2", theory=(2, 1, 0)),
+        SystemSpec("fsdp_lite/FULL_SHARD", "lite", "FULL_SHARD", (2, 1, 0)),
+        SystemSpec("fsdp_lite/SHARD_GRAD_OP", "lite", "SHARD_GRAD_OP", (1, 1, 0)),
+        SystemSpec("fsdp_lite/NO_SHARD", "lite", "NO_SHARD", (0, 0, 1)),
+    ]
+    left_out = {}
+    # ZeRO-1 as in the ZeRO paper: reduce-scatter grads, all-gather updated params (2 psi).
+    if hasattr(fsdp_lite.ShardingStrategy, "SHARD_OPTIM"):
+        specs.append(SystemSpec("fsdp_lite/SHARD_OPTIM", "lite", "SHARD_OPTIM", (1, 1, 0)))
+    else:
+        left_out["fsdp_lite/SHARD_OPTIM"] = "this fsdp_lite has no ShardingStrategy.SHARD_OPTIM"
+    if world_size >= 4 and world_size % 2 == 0:
+        specs.append(SystemSpec("fsdp_lite/HYBRID_SHARD", "lite", "HYBRID_SHARD", (2, 1, 0), 2))
+    else:
+        left_out["fsdp_lite/HYBRID_SHARD"] = (
+            f"world size {world_size}: needs 2 replicas of at least 2 shards (an even world size >= 4)"
+        )
+    return specs, left_out
+
+
+# bf16 keeps the systems whose comparison matters most, so the default run fits in 10 minutes.
+DEFAULT_BF16 = (FLOOR, "ddp", REFERENCE, "fsdp_lite/FULL_SHARD", "fsdp_lite/SHARD_GRAD_OP")
+
+
+@dataclasses.dataclass
+class System:
+    spec: SystemSpec
+    model: nn.Module
+    optim: torch.optim.Optimizer
+    autocast: bool  # bf16 by torch.autocast (single, DDP) rather than by sharded mixed precision
+
+
+def build_model(cfg: GPTConfig, seed: int) -> TinyLM:
+    torch.manual_seed(seed)  # the same weights for every system, round and rank
+    return TinyLM(cfg)
+
+
+def build_system(
+    spec: SystemSpec, precision: str, cfg: GPTConfig, seed: int, lr: float = 1e-3
+) -> System:
+    """Wrap a fresh seeded model as ``spec`` says: one unit per Block plus the root."""
+    model = build_model(cfg, seed)
+    dtype = PRECISIONS[precision]
+    autocast = dtype is not None and spec.kind in ("single", "ddp")
+    if spec.kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    elif spec.kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+        from torch.distributed.fsdp import MixedPrecision as MixedPrecision1
+        from torch.distributed.fsdp import ShardingStrategy as ShardingStrategy1
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as ModuleWrapPolicy1
+
+        model = FSDP1(
+            model,
+            sharding_strategy=ShardingStrategy1[spec.strategy],
+            auto_wrap_policy=ModuleWrapPolicy1({Block}),
+            device_id=torch.device("cpu"),  # FSDP1 looks for an accelerator unless told
+            mixed_precision=MixedPrecision1(param_dtype=dtype, reduce_dtype=torch.float32)
+            if dtype
+            else None,
+        )
+    elif spec.kind == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
+    elif spec.kind == "lite":
+        import fsdp_lite
+        from fsdp_lite.wrap import ModuleWrapPolicy
+
+        kwargs = {}
+        if spec.strategy == "HYBRID_SHARD":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            world_size = dist.get_world_size()
+            kwargs["device_mesh"] = init_device_mesh(
+                "cpu",
+                (spec.replicas, world_size // spec.replicas),
+                mesh_dim_names=("replicate", "shard"),
+            )
+        model = fsdp_lite.FullyShardedDataParallel(
+            model,
+            sharding_strategy=fsdp_lite.ShardingStrategy[spec.strategy],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            mixed_precision=fsdp_lite.MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
+            if dtype
+            else None,
+            **kwargs,
+        )
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    return System(spec, model, optim, autocast)
+
+
+def make_batch(
+    cfg: GPTConfig, batch: int, seed: int, step: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets) for ``step``: random tokens, the same for every system."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """One forward, backward and AdamW step; returns the loss."""
+    system.optim.zero_grad(set_to_none=True)
+    cast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if system.autocast else contextlib.nullcontext()
+    )
+    with cast:
+        logits = system.model(inputs)  # (batch, seq_len, vocab_size)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss.backward()
+    system.optim.step()
+    return loss.item()
+
+
+# ---- what a rank measures ------------------------------------------------------------------------
+
+_COLLECTIVE_KINDS = {
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
+}
+
+
+def _tensors(arg) -> list[torch.Tensor]:
+    if isinstance(arg, torch.Tensor):
+        return [arg]
+    if isinstance(arg, list | tuple):
+        return [t for a in arg for t in _tensors(a)]
+    return []
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the bytes of every c10d collective issued inside the block, by whoever issues it.
+
+    DDP's reducer, FSDP1, FSDP2 and fsdp_lite all reach gloo through the c10d ops of the dispatcher,
+    so one counter serves every system. Each collective adds its ring volume for this rank:
+    (g-1)/g of the full buffer (the all-gather output, the reduce-scatter input), twice that for an
+    all-reduce, g being the size of the collective's group.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent_nbytes: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = _COLLECTIVE_KINDS.get(func._opname, "other") if func.namespace == "c10d" else None
+        if kind is not None and func._opname != "barrier":
+            group_size = next(_group_size(a) for a in args if _is_process_group(a))
+            # The full buffer: the output of an all-gather, the input of a reduce-scatter.
+            buffer = args[1] if kind == "reduce_scatter" else args[0]
+            nbytes = sum(t.numel() * t.element_size() for t in _tensors(buffer))
+            factor = (2 if kind == "all_reduce" else 1) * (group_size - 1) / group_size
+            self.sent_nbytes[kind] = self.sent_nbytes.get(kind, 0.0) + nbytes * factor
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _is_process_group(arg) -> bool:
+    # c10d ops take the group as a TorchScript object, not as the Python ProcessGroup.
+    return (
+        isinstance(arg, torch.ScriptObject)
+        and arg._type().qualified_name() == "__torch__.torch.classes.c10d.ProcessGroup"
+    )
+
+
+def _group_size(arg) -> int:
+    return dist.ProcessGroup.unbox(arg).size()
+
+
+def trace_sent_nbytes(records, group_sizes: dict[str, int]) -> dict[str, float]:
+    """Ring volume per kind from fsdp_lite.trace records, which hold this rank's input numel."""
+    sent: dict[str, float] = {}
+    for r in records:
+        group_size = group_sizes[r.kind]
+        ring = (group_size - 1) / group_size
+        if r.kind == "all_gather":  # the output is group_size inputs
+            nbytes = r.nbytes * group_size * ring
+        else:
+            nbytes = r.nbytes * (2 if r.kind == "all_reduce" else 1) * ring
+        sent[r.kind] = sent.get(r.kind, 0.0) + nbytes
+    return sent
+
+
+def state_nbytes(system: System) -> dict[str, int]:
+    """Bytes of the storages behind params, grads and optimizer state on this rank, padding included."""
+    params = list(system.model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    optim_state = [
+        t for s in system.optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
+    counted = {
+        "params": storage_nbytes(params),
+        "grads": storage_nbytes(grads),
+        "optim": storage_nbytes(optim_state),
+    }
+    counted["total"] = sum(counted.values())
+    return counted
+
+
+def tracked_peak_nbytes(system: System, batches: list) -> dict[str, int]:
+    """Peak of what torch's MemTracker sees over the last of ``batches``, after one step to settle:
+    ``Total``, and MemTracker's own split of its peak snapshot (Parameter, Gradient, Optstate,
+    Activation, Temp, ...)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(system.model, system.optim)
+    with tracker:
+        for i, (inputs, targets) in enumerate(batches):
+            if i == len(batches) - 1:
+                tracker.reset_mod_stats()
+            train_step(system, inputs, targets)
+    split: dict[str, int] = {}
+    for per_device in tracker.get_tracker_snapshot("peak").values():
+        for kind, nbytes in per_device.items():
+            name = kind if isinstance(kind, str) else kind.value
+            split[name] = split.get(name, 0) + int(nbytes)
+    return split
+
+
+def run_system(spec: SystemSpec, precision: str, args, cfg: GPTConfig, measure: bool) -> dict:
+    """Train one system from the seed for warm-up + timed steps on this rank; return what it saw."""
+    rank = dist.get_rank()
+    system = build_system(spec, precision, cfg, args.seed)
+    seconds, losses = [], []
+    timed = math.ceil(args.steps / args.rounds)
+    for step in range(args.warmup + timed):
+        inputs, targets = make_batch(cfg, args.batch, args.seed, step, rank)
+        start = time.perf_counter()
+        loss = train_step(system, inputs, targets)
+        if step >= args.warmup:
+            seconds.append(time.perf_counter() - start)
+            losses.append(loss)
+    out = {"seconds": seconds, "losses": losses}
+    if measure:
+        out.update(measure_system(system, args, cfg, args.warmup + timed))
+    del system
+    dist.barrier()  # the next system starts on every rank together
+    return out
+
+
+def run_interleaved(names: list[str], specs: dict, precision: str, args, cfg: GPTConfig) -> dict:
+    """All ``names`` built at once and stepped in turn, step by step, so that a change in machine
+    load falls on every system alike; a barrier lines the ranks up before each timed step."""
+    rank = dist.get_rank()
+    systems = [build_system(specs[name], precision, cfg, args.seed) for name in names]
+    outs = {name: {"seconds": [], "losses": []} for name in names}
+    for step in range(args.warmup + args.steps):
+        inputs, targets = make_batch(cfg, args.batch, args.seed, step, rank)
+        turn = step % len(systems)  # who goes first rotates, so no system always follows another
+        for name, system in zip(names[turn:] + names[:turn], systems[turn:] + systems[:turn]):
+            dist.barrier()
+            start = time.perf_counter()
+            loss = train_step(system, inputs, targets)
+            if step >= args.warmup:
+                outs[name]["seconds"].append(time.perf_counter() - start)
+                outs[name]["losses"].append(loss)
+        if rank == 0:
+            label = "warm-up" if step < args.warmup else "timed"
+            say(f"  {precision} step {step + 1}/{args.warmup + args.steps} ({label}) done")
+    for name, system in zip(names, systems):
+        outs[name].update(measure_system(system, args, cfg, args.warmup + args.steps))
+    del systems
+    dist.barrier()
+    return outs
+
+
+def measure_system(system: System, args, cfg: GPTConfig, next_step: int) -> dict:
+    """State bytes now, sent bytes over one more step, tracked peak over two more."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    spec = system.spec
+    out: dict = {"state_nbytes": state_nbytes(system)}  # after a step: grads are allocated
+    batch = make_batch(cfg, args.batch, args.seed, next_step, rank)
+    counter = CountCollectives()
+    trace = contextlib.nullcontext()
+    if spec.kind == "lite":
+        from fsdp_lite.trace import record_collectives
+
+        trace = record_collectives(system.model)
+    with trace as records, counter:
+        train_step(system, *batch)
+    out["sent_nbytes"] = counter.sent_nbytes
+    out["collective_calls"] = counter.calls
+    if records is not None:
+        # HYBRID_SHARD gathers and scatters in a shard group, all-reduces across replicas.
+        shard_size = world_size // spec.replicas
+        group_sizes = {"all_gather": shard_size, "reduce_scatter": shard_size}
+        group_sizes["all_reduce"] = spec.replicas if spec.replicas > 1 else world_size
+        out["trace_sent_nbytes"] = trace_sent_nbytes(records.records, group_sizes)
+    extra = [make_batch(cfg, args.batch, args.seed, 10_000 + i, rank) for i in range(2)]
+    out["peak_tracked_split"] = tracked_peak_nbytes(system, extra)
+    out["peak_tracked_nbytes"] = out["peak_tracked_split"]["Total"]
+    return out
+
+
+# ---- theory --------------------------------------------------------------------------------------
+
+
+def model_numels(cfg: GPTConfig, world_size: int) -> dict[str, int]:
+    """Psi (distinct params), Psi with each param's dim 0 padded to a multiple of world_size (the
+    per-parameter sharding fsdp_lite and FSDP2 use), and the root unit's share (params outside
+    every Block, which the root keeps from forward to backward instead of gathering them again)."""
+    with torch.device("meta"):  # shapes only
+        params = dict(TinyLM(cfg).named_parameters())
+    padded = {
+        name: math.ceil(p.shape[0] / world_size) * world_size * (p.numel() // p.shape[0])
+        for name, p in params.items()
+    }
+    is_root = {name: not name.startswith("blocks.") for name in params}
+    return {
+        "psi": sum(p.numel() for p in params.values()),
+        "psi_padded": sum(padded.values()),
+        "root": sum(p.numel() for n, p in params.items() if is_root[n]),
+        "root_padded": sum(padded[n] for n in params if is_root[n]),
+    }
+
+
+def theory_nbytes(spec: SystemSpec, precision: str, cfg: GPTConfig, world_size: int) -> dict | None:
+    """ZeRO's bytes per rank per step (3 psi (N-1)/N for ZeRO-3, 2 psi for ZeRO-2 and DDP), each
+    collective in its own dtype: all-gathers in the param dtype, reductions in fp32 here.
+
+    HYBRID_SHARD runs ZeRO-3 within a shard group of S = N / R ranks and all-reduces each 1/S
+    gradient shard across the R replicas: 3 psi (S-1)/S + 2 (psi/S) (R-1)/R.
+    """
+    if spec.kind == "single":
+        return None
+    param_itemsize = 2 if precision == "bf16" and spec.kind != "ddp" else 4
+    reduce_itemsize = 4
+    replicas = spec.replicas
+    shard_size = world_size // replicas
+    numels = model_numels(cfg, shard_size)
+    shard_ring = (shard_size - 1) / shard_size
+    all_gathers, reduce_scatters, all_reduces = spec.theory
+    # Bytes per element of psi that move in sharded form (padded) and whole (not padded).
+    sharded = (all_gathers * param_itemsize + reduce_scatters * reduce_itemsize) * shard_ring
+    sharded += 2 * reduce_itemsize / shard_size * (replicas - 1) / replicas
+    whole = 2 * all_reduces * reduce_itemsize * (world_size - 1) / world_size
+    # A root that keeps its params after forward skips its backward all-gather.
+    root_kept = numels["root"] * param_itemsize * shard_ring if all_gathers == 2 else 0.0
+    return {
+        "theory": (sharded + whole) * numels["psi"],
+        "root_kept": root_kept,
+        "padding": sharded * (numels["psi_padded"] - numels["psi"]),
+    }
+
+
+# ---- pytest-benchmark: rank 0 in pytest, the others follow its commands ----------------------------
+
+
+def follow_rank0(rank: int, world_size: int, init_method: str, threads: int) -> None:
+    """Body of a non-zero rank under benchmarks/: run what rank 0 broadcasts until it says stop.
+
+    A command is ``(precision, system name, GPTConfig, batch, seed, num_steps)``; this rank builds
+    that system and trains it ``num_steps`` steps beside rank 0, whose steps pytest-benchmark times.
+    """
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=PROCESS_GROUP_TIMEOUT,
+    )
+    try:
+        specs = {s.name: s for s in all_systems(world_size)[0]}
+        while (command := broadcast_command(None)) is not None:
+            precision, name, cfg, batch, seed, num_steps = command
+            system = build_system(specs[name], precision, cfg, seed)
+            for step in range(num_steps):
+                train_step(system, *make_batch(cfg, batch, seed, step, rank))
+            del system
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def broadcast_command(command: tuple | None) -> tuple | None:
+    """Rank 0's command (None: stop) on every rank."""
+    box = [command]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---- one rank ------------------------------------------------------------------------------------
+
+
+def run_rank(rank: int, args: argparse.Namespace, init_method: str, plan: list) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=args.world_size,
+        timeout=PROCESS_GROUP_TIMEOUT,
+    )
+    try:
+        cfg = model_config(args)
+        specs = {s.name: s for s in all_systems(args.world_size)[0]}
+        raw: dict[tuple[str, str], list[dict]] = {}
+        started = time.perf_counter()
+        if args.interleave:
+            for i, precision in enumerate(dict.fromkeys(p for p, _ in plan)):
+                names = [n for p, n in plan if p == precision]
+                outs = run_interleaved(names, specs, precision, args, cfg)
+                for name in names:
+                    everyone = [None] * args.world_size
+                    dist.all_gather_object(everyone, outs[name])
+                    raw[(precision, name)] = [everyone]
+                if rank == 0:
+                    say(
+                        f"[{i + 1}] {precision}: {len(names)} systems interleaved, "
+                        f"{args.steps} steps each ({time.perf_counter() - started:.0f} s elapsed)"
+                    )
+        runs = [
+            (r, item)
+            for r in range(args.rounds)
+            for item in (plan if r % 2 == 0 else list(reversed(plan)))
+            if not args.interleave
+        ]
+        for i, (r, (precision, name)) in enumerate(runs):
+            out = run_system(specs[name], precision, args, cfg, measure=(r == 0))
+            everyone = [None] * args.world_size
+            dist.all_gather_object(everyone, out)
+            raw.setdefault((precision, name), []).append(everyone)
+            if rank == 0:
+                step_s = [max(ts) for ts in zip(*(o["seconds"] for o in everyone))]
+                say(
+                    f"[{i + 1}/{len(runs)}] round {r + 1}/{args.rounds} {precision} {name:<26} "
+                    f"median {statistics.median(step_s):.3f} s/step over {len(step_s)} steps "
+                    f"({time.perf_counter() - started:.0f} s elapsed)"
+                )
+        if rank == 0:
+            report = summarize(raw, args, cfg, specs)
+            say(format_table(report))
+            if args.json:
+                Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+                say(f"wrote {args.json}")
+            if args.plot:
+                plot(report, args.plot)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_layers=args.layers,
+        d_ff=4 * args.d_model,
+        tie_embeddings=False,
+    )
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+
+def quantiles(values: list[float]) -> dict:
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {
+        "median": median,
+        "q1": q1,
+        "q3": q3,
+        "iqr": q3 - q1,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def summarize(raw: dict, args: argparse.Namespace, cfg: GPTConfig, specs: dict) -> dict:
+    """Merge every rank's runs into one row per (precision, system), with ratios and targets."""
+    world_size = args.world_size
+    numels = model_numels(cfg, world_size)
+    rows = []
+    for (precision, name), rounds in raw.items():
+        spec = specs[name]
+        # One step's time is the slowest rank's: that is what training waits for.
+        step_s = [max(ts) for everyone in rounds for ts in zip(*(o["seconds"] for o in everyone))]
+        first = rounds[0]
+        row = {
+            "system": name,
+            "precision": precision,
+            "step_s": quantiles(step_s),
+            "step_s_per_round": [
+                statistics.median(max(ts) for ts in zip(*(o["seconds"] for o in e))) for e in rounds
+            ],
+            "final_loss_rank0": first[0]["losses"][-1],
+            "peak_tracked_nbytes": [o["peak_tracked_nbytes"] for o in first],
+            "peak_tracked_split_rank0": first[0]["peak_tracked_split"],
+            "state_nbytes": [o["state_nbytes"] for o in first],
+            "sent_nbytes": [o["sent_nbytes"] for o in first],
+            "collective_calls": first[0]["collective_calls"],
+        }
+        if "trace_sent_nbytes" in first[0]:
+            row["trace_sent_nbytes"] = [o["trace_sent_nbytes"] for o in first]
+        row["sent_nbytes_total"] = max(sum(s.values()) for s in row["sent_nbytes"])
+        theory = theory_nbytes(spec, precision, cfg, world_size)
+        if theory is not None:
+            row["theory_nbytes"] = theory
+            row["sent_vs_theory"] = row["sent_nbytes_total"] / theory["theory"]
+        rows.append(row)
+    by_key = {(r["precision"], r["system"]): r for r in rows}
+    for row in rows:
+        for label, ref in (("vs_fsdp2", REFERENCE), ("vs_floor", FLOOR), ("vs_ddp", "ddp")):
+            other = by_key.get((row["precision"], ref))
+            if other is not None:
+                row[label] = row["step_s"]["median"] / other["step_s"]["median"]
+        floor = by_key.get((row["precision"], FLOOR))
+        if floor is not None:
+            ideal = floor["state_nbytes"][0]["total"] / world_size
+            row["ideal_state_nbytes"] = ideal
+            row["state_vs_ideal"] = max(s["total"] for s in row["state_nbytes"]) / ideal
+    return {
+        "command": "python scripts/bench.py " + " ".join(shlex.quote(a) for a in args.argv),
+        "config": {
+            "world_size": world_size,
+            "model": dataclasses.asdict(cfg),
+            "params": numels["psi"],
+            "params_padded": numels["psi_padded"],
+            "batch_per_rank": args.batch,
+            "steps": args.steps
+            if args.interleave
+            else args.rounds * math.ceil(args.steps / args.rounds),
+            "warmup_per_round": args.warmup,
+            "rounds": 1 if args.interleave else args.rounds,
+            "interleaved": args.interleave,
+            "optimizer": "AdamW lr 1e-3",
+            "threads_per_rank": args.threads,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+        "definitions": {
+            **DEFINITIONS,
+            "step_s": DEFINITIONS["step_s"]
+            + (
+                "; --interleave: all systems of a precision built at once and stepped in turn, "
+                "a barrier before each step"
+                if args.interleave
+                else ""
+            ),
+        },
+        "left_out": args.left_out,
+        "results": rows,
+        "targets": targets(by_key),
+    }
+
+
+DEFINITIONS = {
+    "step_s": "forward + backward + AdamW step, per step the slowest rank, after warm-up; "
+    "median, quartiles over all rounds",
+    "single": "the unwrapped model on every rank at once, its per-rank batch, no communication",
+    "bf16": "FSDP1 / fsdp_lite MixedPrecision(param_dtype=bf16, reduce_dtype=fp32), FSDP2 "
+    "MixedPrecisionPolicy(the same); single and DDP: torch.autocast('cpu', bf16), fp32 params "
+    "and fp32 all-reduce",
+    "peak_tracked_nbytes": "per rank, torch.distributed._tools.mem_tracker.MemTracker peak over "
+    "one step after one settling step (params, grads, optimizer state, activations, temporaries)",
+    "state_nbytes": "per rank, storages behind params + grads + optimizer state after a step, "
+    "padding included; ideal = the single process's total / world size",
+    "sent_nbytes": "per rank per step, ring volume of every c10d collective (g-1)/g x buffer "
+    "bytes, x2 for all-reduce; counted by a TorchDispatchMode in one extra step",
+    "theory_nbytes": "ZeRO: 3 psi (N-1)/N (ZeRO-3), 2 psi (N-1)/N (ZeRO-2, ZeRO-1, DDP) in the "
+    "communicated dtypes; root_kept: the root's backward all-gather that FSDP1, FSDP2 and "
+    "fsdp_lite skip (they keep the root's params from forward); padding: what per-parameter "
+    "dim-0 padding to a multiple of N adds",
+}
+
+
+def targets(by_key: dict) -> list[dict]:
+    """The fp32 targets for fsdp_lite FULL_SHARD, each met or missed by how much."""
+    lite = by_key.get(("fp32", "fsdp_lite/FULL_SHARD"))
+    fsdp2 = by_key.get(("fp32", REFERENCE))
+    ddp = by_key.get(("fp32", "ddp"))
+    if lite is None:
+        return []
+    checks = []
+
+    def check(name: str, value: float | None, limit: float | None) -> None:
+        if value is None or limit is None:
+            checks.append({"target": name, "status": "not measured (system not run)"})
+            return
+        met = value <= limit
+        checks.append(
+            {
+                "target": name,
+                "value": value,
+                "limit": limit,
+                "met": met,
+                "status": "met"
+                if met
+                else f"missed by {100 * (value / limit - 1):.4g}% ({value - limit:.4g} over)",
+            }
+        )
+
+    check(
+        "median step <= 0.9 x torch_fsdp2",
+        lite["step_s"]["median"],
+        0.9 * fsdp2["step_s"]["median"] if fsdp2 else None,
+    )
+    check(
+        "median step <= 1.1 x ddp",
+        lite["step_s"]["median"],
+        1.1 * ddp["step_s"]["median"] if ddp else None,
+    )
+    check("state bytes <= 1.01 x ideal", lite.get("state_vs_ideal"), 1.01)
+    check(
+        "peak tracked memory <= torch_fsdp2's",
+        max(lite["peak_tracked_nbytes"]),
+        max(fsdp2["peak_tracked_nbytes"]) if fsdp2 else None,
+    )
+    theory = lite["theory_nbytes"]
+    check(
+        "sent bytes <= theory - root kept + padding",
+        lite["sent_nbytes_total"],
+        theory["theory"] - theory["root_kept"] + theory["padding"],
+    )
+    return checks
+
+
+def format_table(report: dict) -> str:
+    cfg = report["config"]
+    columns = [
+        ("system", "<", 26),
+        ("prec", "<", 4),
+        ("median s", ">", 8),
+        ("IQR s", ">", 6),
+        ("xFSDP2", ">", 6),
+        ("xfloor", ">", 6),
+        ("xDDP", ">", 5),
+        ("peak MiB", ">", 8),
+        ("state MiB", ">", 9),
+        ("xideal", ">", 6),
+        ("sent MiB", ">", 8),
+        ("xtheory", ">", 7),
+        ("loss r0", ">", 8),
+    ]
+
+    def row(cells: list[str]) -> str:
+        return "  ".join(f"{c:{a}{w}}" for c, (_, a, w) in zip(cells, columns)).rstrip()
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    header = row([name for name, _, _ in columns])
+    lines = [
+        "",
+        f"world size {cfg['world_size']}, {cfg['params']:,} params, batch {cfg['batch_per_rank']} x "
+        f"{cfg['model']['seq_len']} per rank, {cfg['steps']} timed steps in {cfg['rounds']} round(s) "
+        f"after {cfg['warmup_per_round']} warm-up, torch {cfg['torch']}, {cfg['threads_per_rank']} "
+        "thread(s) per rank",
+        header,
+        "-" * len(header),
+    ]
+    for r in report["results"]:
+        lines.append(
+            row(
+                [
+                    r["system"],
+                    r["precision"],
+                    f"{r['step_s']['median']:.3f}",
+                    f"{r['step_s']['iqr']:.3f}",
+                    ratio(r.get("vs_fsdp2")),
+                    ratio(r.get("vs_floor")),
+                    ratio(r.get("vs_ddp")),
+                    f"{max(r['peak_tracked_nbytes']) / MiB:.1f}",
+                    f"{max(s['total'] for s in r['state_nbytes']) / MiB:.1f}",
+                    ratio(r.get("state_vs_ideal")),
+                    f"{r['sent_nbytes_total'] / MiB:.1f}",
+                    ratio(r.get("sent_vs_theory")),
+                    f"{r['final_loss_rank0']:.4f}",
+                ]
+            )
+        )
+    lines.append("")
+    lines += [f"{k}: {v}" for k, v in report["definitions"].items()]
+    for name, reason in report["left_out"].items():
+        lines.append(f"left out: {name}: {reason}")
+    if report["targets"]:
+        lines.append("")
+        lines.append("targets (fp32, fsdp_lite/FULL_SHARD):")
+        for t in report["targets"]:
+            lines.append(f"  {t['target']}: {t['status']}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Step time (median, IQR bars) and memory per system, one bar group per precision."""
+    try:
+        import matplotlib
+    except ImportError:
+        say(f"--plot {path}: matplotlib is not installed (pip install '.[plot]'); no chart written")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    labels = [f"{r['system']}\n{r['precision']}" for r in rows]
+    fig, (ax_time, ax_mem) = plt.subplots(2, 1, figsize=(max(8, len(rows) * 0.9), 8))
+    medians = [r["step_s"]["median"] for r in rows]
+    errors = [
+        [r["step_s"]["median"] - r["step_s"]["q1"] for r in rows],
+        [r["step_s"]["q3"] - r["step_s"]["median"] for r in rows],
+    ]
+    colors = ["tab:orange" if r["system"].startswith("fsdp_lite") else "tab:blue" for r in rows]
+    ax_time.bar(range(len(rows)), medians, yerr=errors, color=colors, capsize=3)
+    ax_time.set_ylabel("s / step (median, IQR)")
+    cfg = report["config"]
+    ax_time.set_title(
+        f"world size {cfg['world_size']}, {cfg['params'] / 1e6:.1f}M params, gloo on CPU"
+    )
+    width = 0.4
+    x = range(len(rows))
+    ax_mem.bar(
+        [i - width / 2 for i in x],
+        [max(r["peak_tracked_nbytes"]) / MiB for r in rows],
+        width,
+        label="peak tracked",
+    )
+    ax_mem.bar(
+        [i + width / 2 for i in x],
+        [max(s["total"] for s in r["state_nbytes"]) / MiB for r in rows],
+        width,
+        label="params+grads+AdamW",
+    )
+    ax_mem.set_ylabel("MiB per rank")
+    ax_mem.legend()
+    for ax in (ax_time, ax_mem):
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    say(f"wrote {path}")
+
+
+# ---- command line and launch ---------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python scripts/bench.py", description=__doc__.splitlines()[0]
+    )
+    add = parser.add_argument
+    add("--json", help="write the results as JSON to this path")
+    add("--plot", help="write a PNG chart to this path (needs matplotlib, the 'plot' extra)")
+    add("--world-size", type=int, default=2, help="ranks (default 2)")
+    add(
+        "--steps", type=int, default=20, help="timed steps per system, over all rounds (default 20)"
+    )
+    add(
+        "--warmup", type=int, default=2, help="untimed steps before each round's timing (default 2)"
+    )
+    add("--rounds", type=int, default=2, help="rounds over all systems (default 2)")
+    add(
+        "--interleave",
+        action="store_true",
+        help="build every system of a precision at once and step them in turn (fairer on a busy "
+        "machine; holds all of them in memory; --rounds is ignored)",
+    )
+    add("--layers", type=int, default=6, help="transformer blocks (default 6)")
+    add("--d-model", type=int, default=384, help="model width (default 384)")
+    add("--heads", type=int, default=6, help="attention heads (default 6)")
+    add("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
+    add("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    add("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
+    add("--precision", default="fp32,bf16", help="comma list of fp32, bf16 (default both)")
+    add("--systems", default="all", help="comma list of system names for every precision")
+    add(
+        "--bf16-systems",
+        default=",".join(DEFAULT_BF16),
+        help="systems run in bf16 ('all' for every one); default: a subset that keeps the run "
+        "within 10 minutes",
+    )
+    add("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    add("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    for name in ("world_size", "steps", "rounds", "layers", "d_model", "heads", "vocab"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.world_size < 2:
+        parser.error("--world-size must be at least 2")
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    if math.ceil(args.steps / args.rounds) < 2:
+        parser.error("need at least 2 timed steps per round: raise --steps or lower --rounds")
+    specs, args.left_out = all_systems(args.world_size)
+    names = [s.name for s in specs]
+    precisions = args.precision.split(",")
+    for p in precisions:
+        if p not in PRECISIONS:
+            parser.error(f"--precision {p!r}: choose from {', '.join(PRECISIONS)}")
+    wanted = names if args.systems == "all" else args.systems.split(",")
+    bf16_wanted = names if args.bf16_systems == "all" else args.bf16_systems.split(",")
+    for name in wanted + bf16_wanted:
+        if name not in names and name not in args.left_out:
+            parser.error(f"unknown system {name!r}: choose from {', '.join(names)}")
+    args.plan = []
+    for precision in precisions:
+        for name in names:
+            if name not in wanted:
+                continue
+            if precision == "bf16" and name not in bf16_wanted:
+                args.left_out[f"{name} bf16"] = (
+                    "not in --bf16-systems (trimmed so the default run fits 10 minutes)"
+                )
+                continue
+            args.plan.append((precision, name))
+    for name in wanted:
+        if name in args.left_out and name not in names:
+            parser.error(f"{name}: {args.left_out[name]}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    say(
+        f"bench: {len(args.plan)} runs "
+        + ("interleaved" if args.interleave else f"x {args.rounds} rounds")
+        + f" on {args.world_size} ranks: "
+        + ", ".join(f"{p} {n}" for p, n in args.plan)
+    )
+    for name, reason in args.left_out.items():
+        say(f"left out: {name}: {reason}")
+    return 1 if launch(args) else 0
+
+
+def launch(args: argparse.Namespace) -> list[int]:
+    """Run ``run_rank`` on ``args.world_size`` fresh processes; returns the ranks that failed."""
+    ctx = multiprocessing.get_context("spawn")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    with tempfile.TemporaryDirectory() as tmp:
+        init_method = f"file://{tmp}/rendezvous"
+        procs = [
+            ctx.Process(target=run_rank, args=(rank, args, init_method, args.plan))
+            for rank in range(args.world_size)
+        ]
+        for p in procs:
+            p.start()
+        failed: list[int] = []
+        try:
+            while any(p.is_alive() for p in procs) and not failed:
+                for rank, p in enumerate(procs):
+                    p.join(timeout=0.2)
+                    if p.exitcode not in (None, 0):
+                        failed.append(rank)
+        finally:
+            for p in procs:
+                if failed and p.is_alive():
+                    p.kill()  # a peer died: this rank would wait in gloo until its timeout
+                p.join()
+        failed += [
+            r for r, p in enumerate(procs) if p.exitcode not in (0, None) and r not in failed
+        ]
+        if failed:
+            say(f"bench: rank(s) {failed} failed; their tracebacks are above")
+        return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

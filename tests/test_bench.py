@@ -1,0 +1,104 @@
+"""scripts/bench.py end to end on a tiny model: the JSON it writes, and the bytes it counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.models import GPTConfig, TinyLM
+from scripts import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+# vocab 61 and seq 15 are odd: the embedding, head and position rows need padding at 2 ranks.
+TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--vocab", "61", "--seq-len", "15"]
+TINY += ["--batch", "2", "--steps", "2", "--rounds", "1", "--warmup", "1", "--precision", "fp32"]
+SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD"]
+
+
+def run_bench(out: Path, *flags: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), *TINY, *flags, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "targets (fp32, fsdp_lite/FULL_SHARD)" in proc.stdout  # the printed table's end
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    return run_bench(
+        tmp_path_factory.mktemp("bench") / "bench.json", "--systems", ",".join(SYSTEMS)
+    )
+
+
+def test_bench_json_has_one_row_per_system_with_every_measurement(report):
+    assert [r["system"] for r in report["results"]] == SYSTEMS
+    assert report["config"]["world_size"] == 2 and report["config"]["steps"] == 2
+    for row in report["results"]:
+        assert row["step_s"]["n"] == 2 and row["step_s"]["median"] > 0, row["system"]
+        assert row["step_s"]["q1"] <= row["step_s"]["median"] <= row["step_s"]["q3"], row["system"]
+        assert len(row["peak_tracked_nbytes"]) == 2 and min(row["peak_tracked_nbytes"]) > 0
+        assert [set(s) for s in row["state_nbytes"]] == [{"params", "grads", "optim", "total"}] * 2
+    lite = report["results"][2]
+    assert lite["vs_fsdp2"] > 0 and lite["vs_floor"] > 0 and lite["state_vs_ideal"] > 0
+    assert {t["target"] for t in report["targets"]} >= {"state bytes <= 1.01 x ideal"}
+    assert "fsdp_lite/HYBRID_SHARD" in report["left_out"]  # needs 4 ranks
+
+
+def test_fsdp_lite_full_shard_sends_zero3_theory_within_padding(report):
+    rows = {r["system"]: r for r in report["results"]}
+    lite, fsdp2 = rows["fsdp_lite/FULL_SHARD"], rows["torch_fsdp2"]
+    # Two independent counts: the c10d ops the dispatcher saw, and fsdp_lite.trace's records.
+    assert lite["sent_nbytes"] == lite["trace_sent_nbytes"]
+    theory = lite["theory_nbytes"]
+    assert theory["padding"] > 0  # the shapes were chosen to need it
+    # fsdp_lite's reductions also carry one fp32 count per parameter (unit.py, Note [Unused
+    # parameters]): in a ring, (N - 1) of those per parameter leave each rank.
+    num_params = len(list(TinyLM(GPTConfig(61, 15, 16, 2, 2, 64, False)).parameters()))
+    flags = (2 - 1) * num_params * 4
+    low = theory["theory"] - theory["root_kept"]  # the root keeps its params for backward
+    for rank, sent in enumerate(lite["sent_nbytes"]):
+        total = sum(sent.values())
+        assert low <= total <= low + theory["padding"] + flags, (rank, sent, theory)
+    # Both pad each parameter's dim 0 to a multiple of the world size: the same all-gathers.
+    assert lite["sent_nbytes"][0]["all_gather"] == fsdp2["sent_nbytes"][0]["all_gather"]
+    # The same seeded model and batches, and fp32 at 2 ranks: the same loss, bit for bit.
+    assert lite["final_loss_rank0"] == fsdp2["final_loss_rank0"]
+
+
+def test_interleaved_systems_train_as_they_do_alone(report, tmp_path):
+    # All systems live at once and step in turn; none may disturb another's training.
+    interleaved = run_bench(tmp_path / "bench.json", "--interleave", "--systems", ",".join(SYSTEMS))
+    assert interleaved["config"]["interleaved"] is True
+    for alone, together in zip(report["results"], interleaved["results"]):
+        assert together["system"] == alone["system"]
+        assert together["final_loss_rank0"] == alone["final_loss_rank0"], together["system"]
+        assert together["sent_nbytes"] == alone["sent_nbytes"], together["system"]
+
+
+def test_unknown_system_is_refused_before_any_rank_starts(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--systems", "fsdp_lite/ZERO_4"])
+    assert "unknown system 'fsdp_lite/ZERO_4'" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    bench.plot(report, str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_so_and_writes_nothing(report, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises
+    bench.plot(report, str(tmp_path / "bench.png"))
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "bench.png").exists()
