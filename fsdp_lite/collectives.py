@@ -20,6 +20,7 @@ __all__ = [
     "REDUCE_SCATTER_BY_ALL_REDUCE",
     "ReduceResult",
     "all_gather",
+    "all_gather_buffers",
     "all_gather_objects",
     "all_gather_copy_in",
     "all_gather_copy_out",
@@ -95,17 +96,32 @@ def all_gather_copy_in(sharded_flats: list[torch.Tensor], all_gather_input: torc
     torch.cat(sharded_flats, out=all_gather_input)
 
 
+def all_gather_buffers(
+    unit_shard_numel: int, group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(all_gather_input, all_gather_output)`` for an in-place all-gather: the input is this
+    rank's slot of the output, so a gather in flight holds N x unit_shard_numel, not N + 1."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    all_gather_output = torch.empty(world_size * unit_shard_numel, dtype=dtype, device=device)
+    return all_gather_output.view(world_size, -1)[rank], all_gather_output
+
+
 def all_gather(
-    all_gather_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    all_gather_input: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool = False,
+    all_gather_output: torch.Tensor | None = None,
 ) -> AllGatherResult:
-    """Concatenate every rank's ``all_gather_input`` in rank order.
+    """Concatenate every rank's ``all_gather_input`` in rank order (into ``all_gather_output``
+    if given, which may hold the input in this rank's slot: see ``all_gather_buffers``).
 
     2 ranks, one unit of two parameters, shard numels 2 and 1:
       rank 0 all_gather_input [a0 a1 | b0]    rank 1 all_gather_input [a2 a3 | b1]
       all_gather_output (both) [a0 a1 b0 a2 a3 b1]
     """
     world_size = dist.get_world_size(group)
-    all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
+    if all_gather_output is None:
+        all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
     work = _all_gather_single(all_gather_output, all_gather_input, group=group, async_op=async_op)
     return AllGatherResult(all_gather_output, work if async_op else None)
 

@@ -87,6 +87,9 @@ class FullyShardedModule(nn.Module):
         device_id: the compute device; the module is moved there first.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         forward_prefetch: start the next unit's all-gather at the start of this unit's forward.
+            Default None: on where waiting for a collective blocks the host (a CPU compute device,
+            gloo), where it hides the forward all-gathers; off on accelerators, whose host runs
+            ahead of the device anyway (as torch FSDP's default False assumes).
         limit_all_gathers: accepted; at most one prefetched unit is ever in flight here.
         use_orig_params: accepted either way; parameters are always the original ones, sharded.
         ignored_states: parameters or modules to leave alone (like ``ignored_modules``).
@@ -109,7 +112,7 @@ class FullyShardedModule(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         device_id: int | torch.device | None = None,
         sync_module_states: bool = False,
-        forward_prefetch: bool = False,
+        forward_prefetch: bool | None = None,
         limit_all_gathers: bool = True,
         use_orig_params: bool = False,
         ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
@@ -523,8 +526,9 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
             f"got {type(policy).__name__}"
         )
     _check_type("backward_prefetch", kw["backward_prefetch"], BackwardPrefetch)
-    for flag in ("sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params"):
+    for flag in ("sync_module_states", "limit_all_gathers", "use_orig_params"):
         _check_type(flag, kw[flag], bool, allow_none=False)
+    _check_type("forward_prefetch", kw["forward_prefetch"], bool)
 
     group, mesh_given = kw["process_group"], kw["device_mesh"]
     hybrid = STRATEGY_RULES[strategy].replicate
@@ -578,7 +582,9 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         sync_module_states=kw["sync_module_states"],
         device=device,
         backward_prefetch=kw["backward_prefetch"],
-        forward_prefetch=kw["forward_prefetch"],
+        forward_prefetch=(
+            device.type == "cpu" if kw["forward_prefetch"] is None else kw["forward_prefetch"]
+        ),
         ignored_params=frozenset(ignored_params),
         ignored_modules=frozenset(ignored_modules),
         precision=precision,

@@ -116,12 +116,13 @@ class StepRuntime:
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch(unit, step=-1, phase="backward")
         if self.sync_grads and unit.trainable:
+            # A reduction in flight holds its unit's whole gradient buffer until it lands. The
+            # previous one has had this unit's whole backward to finish: land it before packing
+            # this one, so one such buffer is alive at a time, not the whole model's.
+            if self._reducing is not None:
+                self._reducing.finish_reduce()
             unit.reduce_grads()
-            # Each reduction in flight holds its unit's whole gradient buffer until it lands, so
-            # wait for the previous one now: at most two units' worth, not the whole model.
-            previous, self._reducing = self._reducing, unit
-            if previous is not None:
-                previous.finish_reduce()
+            self._reducing = unit
         unit.reshard()
         unit.training_state = TrainingState.IDLE
 

@@ -151,11 +151,12 @@ class ShardedUnit:
         if not self.rules.shard_params:
             self._cast_copy()
             return
-        all_gather_input = torch.empty(
+        all_gather_input, all_gather_output = collectives.all_gather_buffers(
             self.unit_shard_numel,
+            self.group,
             dtype=self.params[0].unsharded_flat.dtype,  # param_dtype: cast once, on 1/N
             device=self.compute_device,
-        )  # 1D, unit_shard_numel
+        )  # 1D: unit_shard_numel, this rank's slot of N * unit_shard_numel
         shards = [offload.to_device(p.sharded_flat, self.compute_device) for p in self.params]
         collectives.all_gather_copy_in(shards, all_gather_input)
         if not self.rules.reshard_after_backward:
@@ -166,7 +167,9 @@ class ShardedUnit:
             ]
         offload.after_copy_in(self.params, phase)
         self._record("all_gather", phase, all_gather_input)
-        self._all_gather = collectives.all_gather(all_gather_input, self.group, async_op=async_op)
+        self._all_gather = collectives.all_gather(
+            all_gather_input, self.group, async_op=async_op, all_gather_output=all_gather_output
+        )
 
     def wait_for_unshard(self) -> None:
         result, self._all_gather = self._all_gather, None

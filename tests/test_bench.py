@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # vocab 61 and seq 15 are odd: the embedding, head and position rows need padding at 2 ranks.
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--vocab", "61", "--seq-len", "15"]
 TINY += ["--batch", "2", "--steps", "2", "--rounds", "1", "--warmup", "1", "--precision", "fp32"]
-SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD"]
+SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD", "fsdp_lite/FULL_SHARD/rs"]
 
 
 def run_bench(out: Path, *flags: str) -> dict:
@@ -56,23 +56,32 @@ def test_bench_json_has_one_row_per_system_with_every_measurement(report):
 
 def test_fsdp_lite_full_shard_sends_zero3_theory_within_padding(report):
     rows = {r["system"]: r for r in report["results"]}
-    lite, fsdp2 = rows["fsdp_lite/FULL_SHARD"], rows["torch_fsdp2"]
-    # Two independent counts: the c10d ops the dispatcher saw, and fsdp_lite.trace's records.
-    assert lite["sent_nbytes"] == lite["trace_sent_nbytes"]
-    theory = lite["theory_nbytes"]
-    assert theory["padding"] > 0  # the shapes were chosen to need it
-    # fsdp_lite's reductions also carry one fp32 count per parameter (unit.py, Note [Unused
-    # parameters]): in a ring, (N - 1) of those per parameter leave each rank.
-    num_params = len(list(TinyLM(GPTConfig(61, 15, 16, 2, 2, 64, False)).parameters()))
-    flags = (2 - 1) * num_params * 4
-    low = theory["theory"] - theory["root_kept"]  # the root keeps its params for backward
-    for rank, sent in enumerate(lite["sent_nbytes"]):
-        total = sum(sent.values())
-        assert low <= total <= low + theory["padding"] + flags, (rank, sent, theory)
-    # Both pad each parameter's dim 0 to a multiple of the world size: the same all-gathers.
-    assert lite["sent_nbytes"][0]["all_gather"] == fsdp2["sent_nbytes"][0]["all_gather"]
-    # The same seeded model and batches, and fp32 at 2 ranks: the same loss, bit for bit.
-    assert lite["final_loss_rank0"] == fsdp2["final_loss_rank0"]
+    fsdp2 = rows["torch_fsdp2"]
+    # /rs runs the real reduce-scatter (as NCCL does); the default runs it as an all-reduce on gloo.
+    for name, all_reduce in (("fsdp_lite/FULL_SHARD/rs", False), ("fsdp_lite/FULL_SHARD", True)):
+        lite = rows[name]
+        # Two independent counts: the c10d ops the dispatcher saw, and fsdp_lite.trace's records.
+        assert lite["sent_nbytes"] == lite["trace_sent_nbytes"], name
+        theory = lite["theory_nbytes"]
+        assert theory["padding"] > 0  # the shapes were chosen to need it
+        # fsdp_lite's reductions also carry one fp32 count per parameter (unit.py, Note [Unused
+        # parameters]): in a ring, (N - 1) of those per parameter leave each rank.
+        num_params = len(list(TinyLM(GPTConfig(61, 15, 16, 2, 2, 64, False)).parameters()))
+        assert theory["flags"] == (2 - 1) * num_params * 4
+        low = theory["theory"] - theory["root_kept"]  # the root keeps its params for backward
+        if all_reduce:
+            assert set(lite["sent_nbytes"][0]) == {"all_gather", "all_reduce"}, name
+            low += theory["as_issued_extra"]
+        else:
+            assert set(lite["sent_nbytes"][0]) == {"all_gather", "reduce_scatter"}, name
+        for rank, sent in enumerate(lite["sent_nbytes"]):
+            total = sum(sent.values())
+            high = low + theory["padding"] + theory["flags"]
+            assert low <= total <= high, (name, rank, sent, theory)
+        # Both pad each parameter's dim 0 to a multiple of the world size: the same all-gathers.
+        assert lite["sent_nbytes"][0]["all_gather"] == fsdp2["sent_nbytes"][0]["all_gather"]
+        # The same seeded model and batches, and fp32 at 2 ranks: the same loss, bit for bit.
+        assert lite["final_loss_rank0"] == fsdp2["final_loss_rank0"], name
 
 
 def test_interleaved_systems_train_as_they_do_alone(report, tmp_path):
