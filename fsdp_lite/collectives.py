@@ -10,14 +10,14 @@ per-parameter functions at the bottom are the plain versions the flat ones are t
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "AllGatherResult",
-    "REDUCE_SCATTER_BY_ALL_REDUCE",
+    "REDUCE_SCATTER_BY_SENDS",
     "ReduceResult",
     "all_gather",
     "all_gather_buffers",
@@ -29,7 +29,6 @@ __all__ = [
     "grad_divide_factors",
     "reduce_scatter",
     "reduce_scatter_copy_in",
-    "reduce_scatter_kind",
     "reduce_scatter_per_param",
 ]
 
@@ -53,28 +52,37 @@ class ReduceResult:
     output: torch.Tensor  # 1D: reduce_scatter_output (unit_shard_numel) or the all-reduced grads
     input: torch.Tensor  # kept alive until the collective finishes
     work: dist.Work | None
-    output_is_row: bool = False  # output views a row of input (a reduce-scatter run as all-reduce)
+    # A reduce-scatter done by sends (REDUCE_SCATTER_BY_SENDS): the other ranks' rows for this
+    # rank, (N - 1, numel) in rank order, which wait() sums with ``output`` (this rank's own row,
+    # at place ``rank``), and the works of every send and receive.
+    received: torch.Tensor | None = None
+    rank: int = 0
+    peer_works: list[dist.Work] = field(default_factory=list)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        if self.output_is_row:  # copy the row out, so the N-times larger input can be freed
-            self.output, self.output_is_row = self.output.clone(), False
+        for work in self.peer_works:
+            work.wait()
+        self.peer_works = []
+        if self.received is not None:
+            rows = [*self.received[: self.rank], self.output, *self.received[self.rank :]]
+            total = rows[0].clone()
+            for row in rows[1:]:  # one fixed order on every rank; at 2 ranks, bitwise an all-reduce
+                total += row
+            self.output, self.received = total, None
         return self.output
 
 
-# Backends on which a reduce-scatter runs as an all-reduce of the same rank-major buffer, each rank
-# keeping its row. Same sums; (N-1)/N x the buffer more bytes sent, but gloo's reduce-scatter is the
-# slower one: 14 MB at 2 ranks, reduce-scatter 59 ms vs all-reduce 24 ms (docs/performance.md).
-REDUCE_SCATTER_BY_ALL_REDUCE: set[str] = {"gloo"}
-
-
-def reduce_scatter_kind(group: dist.ProcessGroup) -> str:
-    """The collective ``reduce_scatter`` issues on ``group``'s backend (what traces record)."""
-    if dist.get_backend(group) in REDUCE_SCATTER_BY_ALL_REDUCE:
-        return "all_reduce"
-    return "reduce_scatter"
+# Backends whose reduce-scatter is slower than sending the rows directly: there, in a group of 2,
+# each rank sends the other's row of its buffer and adds the row it receives. The same bytes as a
+# reduce-scatter, (N-1)/N of the buffer, and the same sum (a + b = b + a, bitwise). Measured on
+# gloo, 2 ranks, loopback (docs/performance.md): 14 MB reduce-scatter 22 ms, all-reduce 10 ms,
+# sends 8 ms. Larger groups keep the backend's reduce-scatter: summing N > 2 rows in another order
+# than its ring changes low-precision results (1e-3 in bf16 after 3 steps at 3 ranks), and
+# bitwise parity with native FSDP is worth more there.
+REDUCE_SCATTER_BY_SENDS: set[str] = {"gloo"}
 
 
 def grad_divide_factors(world_size: int) -> tuple[float, float]:
@@ -182,15 +190,32 @@ def reduce_scatter(
       rank 0 reduce_scatter_output [6, 8]         rank 1 reduce_scatter_output [10, 12]
     """
     world_size = dist.get_world_size(group)
-    if reduce_scatter_kind(group) == "all_reduce":
-        work = dist.all_reduce(reduce_scatter_input, group=group, async_op=async_op)
-        row = reduce_scatter_input.view(world_size, -1)[dist.get_rank(group)]
-        return ReduceResult(row, reduce_scatter_input, work if async_op else None, True)
+    if dist.get_backend(group) in REDUCE_SCATTER_BY_SENDS and world_size == 2:
+        result = _reduce_scatter_by_sends(reduce_scatter_input, group)
+        if not async_op:
+            result.wait()
+        return result
     output = reduce_scatter_input.new_empty(reduce_scatter_input.numel() // world_size)
     work = _reduce_scatter_single(
         output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
     )
     return ReduceResult(output, reduce_scatter_input, work if async_op else None)
+
+
+def _reduce_scatter_by_sends(
+    reduce_scatter_input: torch.Tensor, group: dist.ProcessGroup
+) -> ReduceResult:
+    """Send row j to rank j and receive every other rank's row for this one; ``wait()`` sums."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = reduce_scatter_input.view(world_size, -1)  # (N, unit_shard_numel)
+    peers = [r for r in range(world_size) if r != rank]
+    received = rows.new_empty(world_size - 1, rows.size(1))  # from each peer, in rank order
+    works = [dist.isend(rows[r], dist.get_global_rank(group, r), group=group) for r in peers]
+    works += [
+        dist.irecv(row, dist.get_global_rank(group, r), group=group)
+        for r, row in zip(peers, received)
+    ]
+    return ReduceResult(rows[rank], reduce_scatter_input, None, received, rank, works)
 
 
 def all_reduce(

@@ -261,7 +261,7 @@ class ShardedUnit:
             reduce_scatter_input = filled[0].new_empty(self.world_size * numel, dtype=reduce_dtype)
             collectives.reduce_scatter_copy_in(filled, self.world_size, reduce_scatter_input)
             reduce_scatter_input.div_(pre)
-            kind = collectives.reduce_scatter_kind(self.group)  # all_reduce on gloo: faster
+            kind = "reduce_scatter"
             self._record(kind, "backward", reduce_scatter_input)
             result = collectives.reduce_scatter(reduce_scatter_input, self.group, async_op=True)
             for p in self.trainable:

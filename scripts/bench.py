@@ -69,9 +69,9 @@ class SystemSpec:
     # Collectives per step in units of psi*(N-1)/N (all-gathers, reduce-scatters, all-reduces).
     theory: tuple[int, int, int] = (0, 0, 0)
     replicas: int = 1  # HYBRID_SHARD: the shard group is world_size / replicas ranks
-    # fsdp_lite runs a gradient reduce-scatter as an all-reduce on gloo, where that is faster
-    # (collectives.REDUCE_SCATTER_BY_ALL_REDUCE); True forces the real reduce-scatter, the
-    # collective NCCL runs, to measure both on one machine.
+    # fsdp_lite does a gradient reduce-scatter by sending rows directly on gloo, where that is
+    # faster (collectives.REDUCE_SCATTER_BY_SENDS); True forces gloo's own reduce-scatter, to
+    # measure both on one machine.
     native_reduce_scatter: bool = False
 
 
@@ -208,18 +208,18 @@ def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> f
 
 @contextlib.contextmanager
 def _reduce_scatter_as_issued(spec: SystemSpec):
-    """For the /rs variant: no backend runs the reduce-scatter as an all-reduce inside the block."""
+    """For the /rs variant: every backend runs its own reduce-scatter inside the block."""
     if not spec.native_reduce_scatter:
         yield
         return
     from fsdp_lite import collectives
 
-    saved = set(collectives.REDUCE_SCATTER_BY_ALL_REDUCE)
-    collectives.REDUCE_SCATTER_BY_ALL_REDUCE.clear()
+    saved = set(collectives.REDUCE_SCATTER_BY_SENDS)
+    collectives.REDUCE_SCATTER_BY_SENDS.clear()
     try:
         yield
     finally:
-        collectives.REDUCE_SCATTER_BY_ALL_REDUCE.update(saved)
+        collectives.REDUCE_SCATTER_BY_SENDS.update(saved)
 
 
 # ---- what a rank measures ------------------------------------------------------------------------
@@ -235,6 +235,7 @@ _COLLECTIVE_KINDS = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast",
+    "send": "send",  # point to point: every byte of the tensor leaves this rank
 }
 
 
@@ -262,12 +263,15 @@ class CountCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = _COLLECTIVE_KINDS.get(func._opname, "other") if func.namespace == "c10d" else None
-        if kind is not None and func._opname != "barrier":
+        # A receive sends nothing; its bytes are counted as the peer's send.
+        if kind is not None and func._opname not in ("barrier", "recv_", "recv_any_source_"):
             group_size = next(_group_size(a) for a in args if _is_process_group(a))
             # The full buffer: the output of an all-gather, the input of a reduce-scatter.
             buffer = args[1] if kind == "reduce_scatter" else args[0]
             nbytes = sum(t.numel() * t.element_size() for t in _tensors(buffer))
             factor = (2 if kind == "all_reduce" else 1) * (group_size - 1) / group_size
+            if kind == "send":
+                factor = 1.0
             self.sent_nbytes[kind] = self.sent_nbytes.get(kind, 0.0) + nbytes * factor
             self.calls[kind] = self.calls.get(kind, 0) + 1
         return func(*args, **(kwargs or {}))
@@ -404,7 +408,10 @@ def measure_system(system: System, args, cfg: GPTConfig, next_step: int) -> dict
         shard_size = world_size // spec.replicas
         group_sizes = {"all_gather": shard_size, "reduce_scatter": shard_size}
         group_sizes["all_reduce"] = spec.replicas if spec.replicas > 1 else world_size
-        out["trace_sent_nbytes"] = trace_sent_nbytes(records.records, group_sizes)
+        sent = trace_sent_nbytes(records.records, group_sizes)
+        if "reduce_scatter" in sent and "send" in out["sent_nbytes"]:
+            sent["send"] = sent.pop("reduce_scatter")  # done by sends on gloo: the same bytes
+        out["trace_sent_nbytes"] = sent
     extra = [make_batch(cfg, args.batch, args.seed, 10_000 + i, rank) for i in range(2)]
     out["peak_tracked_split"] = tracked_peak_nbytes(system, extra)
     out["peak_tracked_nbytes"] = out["peak_tracked_split"]["Total"]
@@ -464,15 +471,6 @@ def theory_nbytes(spec: SystemSpec, precision: str, cfg: GPTConfig, world_size: 
         # Note [Unused parameters]): (N - 1) of them per parameter leave each rank in a ring.
         "flags": 4 * numels["params"] * (world_size - 1) if spec.kind == "lite" else 0,
     }
-    if spec.kind == "lite" and reduce_scatters and not spec.native_reduce_scatter:
-        # On gloo the reduce-scatter runs as an all-reduce of the same padded buffer, flags
-        # included: its bytes once more (collectives.REDUCE_SCATTER_BY_ALL_REDUCE), for time.
-        from fsdp_lite import collectives
-
-        if "gloo" in collectives.REDUCE_SCATTER_BY_ALL_REDUCE:
-            out["as_issued_extra"] = (
-                reduce_scatters * reduce_itemsize * shard_ring * numels["psi_padded"] + out["flags"]
-            )
     return out
 
 
@@ -703,9 +701,9 @@ DEFINITIONS = {
     "(fsdp_lite's ZeRO-1: all-reduce + all-gather) in the communicated dtypes; root_kept: the "
     "root's backward all-gather that FSDP1, FSDP2 and fsdp_lite skip (they keep the root's params "
     "from forward); padding: what per-parameter dim-0 padding to a multiple of N adds; flags: "
-    "fsdp_lite's one fp32 had-a-gradient count per parameter per reduction; as_issued_extra: on "
-    "gloo fsdp_lite runs the gradient reduce-scatter as an all-reduce (faster there, twice the "
-    "bytes); the /rs variant runs the real reduce-scatter, as on NCCL",
+    "fsdp_lite's one fp32 had-a-gradient count per parameter per reduction; send: on gloo "
+    "fsdp_lite does the gradient reduce-scatter by sending each row to its rank (faster there, "
+    "the same bytes); the /rs variant runs gloo's own reduce-scatter",
 }
 
 
@@ -752,19 +750,16 @@ def targets(by_key: dict) -> list[dict]:
         max(lite["peak_tracked_nbytes"]),
         max(fsdp2["peak_tracked_nbytes"]) if fsdp2 else None,
     )
-    # Bytes: the real reduce-scatter against ZeRO-3's 3 psi; the gloo default against what it
-    # issues instead (an all-reduce for the reduce-scatter).
+    # Bytes against ZeRO-3's 3 psi, with gloo's reduce-scatter (/rs) and with fsdp_lite's sends.
     for row, name in ((lite_rs, RS_VARIANT), (lite, "fsdp_lite/FULL_SHARD")):
         if row is None:
             check(f"{name} sent bytes <= theory", None, None)
             continue
         theory = row["theory_nbytes"]
-        extra = theory.get("as_issued_extra", 0.0)
-        what = "theory + all-reduce instead of reduce-scatter" if extra else "theory"
         check(
-            f"{name} sent bytes <= {what} - root kept + padding + flags",
+            f"{name} sent bytes <= theory - root kept + padding + flags",
             row["sent_nbytes_total"],
-            theory["theory"] + extra - theory["root_kept"] + theory["padding"] + theory["flags"],
+            theory["theory"] - theory["root_kept"] + theory["padding"] + theory["flags"],
         )
     return checks
 

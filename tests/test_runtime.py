@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_lite import BackwardPrefetch, ShardingStrategy, collectives
+from fsdp_lite import BackwardPrefetch, ShardingStrategy
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite.trace import record_collectives
 from fsdp_lite.unit import ShardedState
@@ -13,11 +13,7 @@ from tests.parity import POLICIES, build_model, loss_fn, rank_batch
 from tests.ranks import run_ranks
 
 
-def _schedule_rank(
-    rank: int, world_size: int, strategy_name: str, prefetch_name: str, native_rs: bool = True
-) -> dict:
-    if native_rs:  # pin the schedule with a real reduce-scatter, as NCCL runs it
-        collectives.REDUCE_SCATTER_BY_ALL_REDUCE.clear()
+def _schedule_rank(rank: int, world_size: int, strategy_name: str, prefetch_name: str) -> dict:
     strategy = ShardingStrategy[strategy_name]
     prefetch = (
         BackwardPrefetch[prefetch_name] if prefetch_name in BackwardPrefetch.__members__ else None
@@ -73,13 +69,6 @@ def test_shard_grad_op_never_gathers_in_backward(tmp_path):
     assert counts[("all_gather", "forward")] == result["num_units"], counts
     assert ("all_gather", "backward") not in counts, counts
     assert counts[("reduce_scatter", "backward")] == result["num_units"], counts
-
-
-def test_on_gloo_the_gradient_reduce_scatter_runs_as_an_all_reduce(tmp_path):
-    result = run_ranks(_schedule_rank, 2, tmp_path, args=("FULL_SHARD", "BACKWARD_PRE", False))[0]
-    counts = result["counts"]
-    assert counts[("all_reduce", "backward")] == result["num_units"], counts
-    assert ("reduce_scatter", "backward") not in counts, counts
 
 
 def test_no_shard_only_all_reduces(tmp_path):

@@ -60,12 +60,11 @@ def traces(tmp_path_factory):
     return run_ranks(_trace_rank, 2, tmp_path_factory.mktemp("trace"), timeout=120)
 
 
-# Per step, with the lm's 3 units (root + 2 blocks): (kind, phase) -> count. On gloo the gradient
-# reduce-scatter runs as an all-reduce (collectives.REDUCE_SCATTER_BY_ALL_REDUCE).
+# Per step, with the lm's 3 units (root + 2 blocks): (kind, phase) -> count.
 EXPECTED_COUNTS = {
     # The root keeps its params from forward into backward, so only the blocks gather again.
-    "FULL_SHARD": {("all_gather", "forward"): 3, ("all_gather", "backward"): 2, ("all_reduce", "backward"): 3},
-    "SHARD_GRAD_OP": {("all_gather", "forward"): 3, ("all_reduce", "backward"): 3},
+    "FULL_SHARD": {("all_gather", "forward"): 3, ("all_gather", "backward"): 2, ("reduce_scatter", "backward"): 3},
+    "SHARD_GRAD_OP": {("all_gather", "forward"): 3, ("reduce_scatter", "backward"): 3},
     "NO_SHARD": {("all_reduce", "backward"): 3},
 }  # fmt: skip
 
@@ -165,12 +164,12 @@ def test_trace_demo_writes_pngs_explain_summary_and_json(tmp_path):
     explained = (tmp_path / "explain.txt").read_text()
     assert "unit <root>: FULL_SHARD, rank 1 of 2" in explained, explained
     summary = (tmp_path / "summary.txt").read_text()
-    assert "rank 0: all_gather forward x3" in summary and "all_reduce backward x3" in summary
+    assert "rank 0: all_gather forward x3" in summary and "reduce_scatter backward x3" in summary
     for rank in (0, 1):
         trace = CollectiveTrace.from_json(
             json.loads((tmp_path / f"trace_rank{rank}.json").read_text())
         )
-        assert trace.count("all_reduce") == 3 and trace.rank == rank
+        assert trace.count("reduce_scatter") == 3 and trace.rank == rank
     if not has_matplotlib:
         pytest.skip("matplotlib is not installed: the text and JSON were checked, the PNGs not")
     for name in ("timeline.png", "memory.png"):
