@@ -26,11 +26,20 @@ CHECK_BLOCK = functools.partial(
 )
 
 
+def _checkpoint_inside_blocks(model: torch.nn.Module) -> None:
+    """torch.utils.checkpoint called inside each Block's forward (Block.checkpoint)."""
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.checkpoint = True
+
+
 def _ac_rank(rank: int, world_size: int, strategy_name: str, order: str) -> None:
     ddp_model = build_model("lm")
     CHECK_BLOCK(ddp_model)
     ddp = DDP(ddp_model)
     model = build_model("lm")
+    if order == "inner":
+        _checkpoint_inside_blocks(model)
     if order == "before":
         CHECK_BLOCK(model)  # blocks become CheckpointWrapper(Block); the policy still finds Block
     fsdp = FSDP(
@@ -56,7 +65,42 @@ def _ac_rank(rank: int, world_size: int, strategy_name: str, order: str) -> None
             assert_close(local(p).detach(), want, what=what, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("order", ["after", "before"])
-@pytest.mark.parametrize("strategy_name", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM"])
+# after / before: torch's checkpoint_wrapper around each unit's Block, applied after or before
+# wrapping; inner: torch.utils.checkpoint inside the Block's forward.
+CASES = [
+    (strategy, order)
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
+    for order in ("after", "before", "inner")
+    if order == "inner" or strategy != "NO_SHARD"
+]
+
+
+@pytest.mark.parametrize("strategy_name, order", CASES, ids=lambda v: str(v))
 def test_activation_checkpointing_trains_like_ddp(tmp_path, strategy_name, order):
     run_ranks(_ac_rank, 2, tmp_path, args=(strategy_name, order), timeout=120)
+
+
+def _activation_peak_rank(rank: int, world_size: int) -> dict:
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    peaks = {}
+    for checkpoint in (False, True):
+        model = FSDP(build_model("lm"), auto_wrap_policy=POLICIES["lm"])
+        if checkpoint:
+            _checkpoint_inside_blocks(model)
+        x, y = rank_batch("lm", 0, rank, world_size)
+        x = x.repeat(8, 1)  # a longer batch, so activations outweigh the tiny params
+        y = y.repeat(8, 1)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            loss_fn("lm", model(x), y).backward()
+        snapshot = tracker.get_tracker_snapshot("peak")
+        peaks[checkpoint] = max(v.get(_MemRefType.ACT, 0) for v in snapshot.values())
+    return peaks
+
+
+def test_activation_checkpointing_lowers_the_activation_peak(tmp_path):
+    for rank, peaks in enumerate(run_ranks(_activation_peak_rank, 2, tmp_path, timeout=120)):
+        print(f"rank {rank}: activation peak {peaks[False]} B plain, {peaks[True]} B checkpointed")
+        assert peaks[True] < 0.7 * peaks[False], peaks
