@@ -39,6 +39,16 @@ from fsdp_lite import offload
 __all__ = ["ShardedParam", "alloc_storage", "free_storage", "padded_numel"]
 
 
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, by arithmetic (torch's rule: a dim of size
+    0 counts as 1). Not from a meta tensor: memory trackers count those as allocations."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def padded_numel(shape: torch.Size, world_size: int) -> int:
     """Elements of a parameter's unsharded buffer: dim 0 rounded up to a multiple of world_size."""
     dim0 = shape[0]
@@ -181,7 +191,7 @@ class ShardedParam:
             [Replicate(), Shard(0)] if self.mesh.ndim == 2 else [Shard(0)],
             run_check=False,
             shape=self.orig_size,
-            stride=torch.empty(self.orig_size, device="meta").stride(),
+            stride=_contiguous_strides(self.orig_size),
         )
 
     def alloc_unsharded(self) -> None:

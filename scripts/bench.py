@@ -333,7 +333,9 @@ def tracked_peak_nbytes(system: System, batches: list) -> dict[str, int]:
                 tracker.reset_mod_stats()
             train_step(system, inputs, targets)
     split: dict[str, int] = {}
-    for per_device in tracker.get_tracker_snapshot("peak").values():
+    for device, per_device in tracker.get_tracker_snapshot("peak").items():
+        if torch.device(device).type == "meta":  # shapes only: no memory behind them
+            continue
         for kind, nbytes in per_device.items():
             name = kind if isinstance(kind, str) else kind.value
             split[name] = split.get(name, 0) + int(nbytes)
