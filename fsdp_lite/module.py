@@ -1,43 +1,44 @@
 """The public wrapper, ``FullyShardedModule`` (alias ``FullyShardedDataParallel``).
 
-It takes torch FSDP1's constructor arguments, checks them, turns them into one ``UnitConfig``,
-wraps submodules chosen by the auto-wrap policy, and builds this wrapper's ``ShardedUnit``. At run
-time its ``forward`` hands each stage to runtime.py. The everyday methods users call on an FSDP model
+It takes torch FSDP1's constructor arguments, has construct.py check them and turn them into one
+``UnitConfig``, wraps submodules chosen by the auto-wrap policy, and has construct.py build this
+wrapper's ``ShardedUnit``. At run time its ``forward`` hands each stage to runtime.py. The everyday methods users call on an FSDP model
 (``no_sync``, ``clip_grad_norm_``, ``summon_full_params``, ``state_dict`` ...) live here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_lite import collectives, offload, wrap
+from fsdp_lite import wrap
 from fsdp_lite.api import (
-    STRATEGY_RULES,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
-    Rules,
     ShardingStrategy,
 )
+from fsdp_lite.construct import (
+    UnitConfig,
+    _apply_overrides,
+    _broadcast_module_states,
+    _build_unit,
+    _check_same_model_across_ranks,
+    _has_meta,
+    _make_config,
+    _move_to_device,
+)
 from fsdp_lite.mixed_precision import (
-    Precision,
-    cast_buffers,
     cast_floating,
     keep_in_full_precision,
-    resolve,
 )
-from fsdp_lite.param import ShardedParam, padded_numel
 from fsdp_lite.runtime import StepRuntime
 from fsdp_lite.unit import ShardedUnit, TrainingState
 
@@ -45,27 +46,6 @@ __all__ = ["FullyShardedDataParallel", "FullyShardedModule", "UnitConfig"]
 
 WRAPPED = "_fsdp_wrapped_module"  # torch's attribute name, so checkpoints' raw keys look the same
 _PREFIX = WRAPPED + "."
-
-
-@dataclass(frozen=True)
-class UnitConfig:
-    """Everything a wrapper needs from the constructor's arguments, checked once."""
-
-    strategy: ShardingStrategy
-    rules: Rules
-    group: dist.ProcessGroup  # the shard group: parameters are cut into its size
-    mesh: DeviceMesh  # 1-D (shard) or, for HYBRID_SHARD, 2-D (replicate, shard)
-    replicate_group: dist.ProcessGroup | None  # HYBRID_SHARD: the same shard on other groups
-    storage_device: torch.device  # where shards, grads and optimizer state live (offload.py)
-    disk: offload.DiskStore | None  # their files under CPUOffload(offload_dir=...); one per rank
-    param_init_fn: Callable[[nn.Module], None] | None  # for meta-device modules
-    sync_module_states: bool
-    device: torch.device
-    backward_prefetch: BackwardPrefetch | None
-    forward_prefetch: bool
-    ignored_params: frozenset[nn.Parameter]
-    ignored_modules: frozenset[nn.Module]
-    precision: Precision
 
 
 class FullyShardedModule(nn.Module):
@@ -491,417 +471,6 @@ class FullyShardedModule(nn.Module):
 
 
 FullyShardedDataParallel = FullyShardedModule
-
-
-# ---- construction helpers ----------------------------------------------------------------------
-
-
-def _check_type(name: str, value: Any, types: type | tuple, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, types):
-        expected = " or ".join(
-            t.__name__ for t in (types if isinstance(types, tuple) else (types,))
-        )
-        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}: {value!r}")
-
-
-def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
-    """Check every constructor argument and resolve defaults; no collective runs here."""
-    _check_type("module", module, nn.Module, allow_none=False)
-    if isinstance(module, FullyShardedModule):
-        raise ValueError("module is already a FullyShardedModule")
-    strategy = kw["sharding_strategy"] or ShardingStrategy.FULL_SHARD
-    _check_type("sharding_strategy", strategy, ShardingStrategy)
-    _check_type("cpu_offload", kw["cpu_offload"], CPUOffload)
-    offload_params = _check_offload(kw["cpu_offload"], strategy)
-    _check_type("mixed_precision", kw["mixed_precision"], MixedPrecision)
-    precision = resolve(kw["mixed_precision"])
-    if kw["param_init_fn"] is not None and not callable(kw["param_init_fn"]):
-        raise TypeError(f"param_init_fn must be callable, got {type(kw['param_init_fn']).__name__}")
-    policy = kw["auto_wrap_policy"]
-    if policy is not None and not (callable(policy) or isinstance(policy, wrap.Policy)):
-        raise TypeError(
-            "auto_wrap_policy must be a callable or a Policy (ModuleWrapPolicy, CustomPolicy), "
-            f"got {type(policy).__name__}"
-        )
-    _check_type("backward_prefetch", kw["backward_prefetch"], BackwardPrefetch)
-    for flag in ("sync_module_states", "limit_all_gathers", "use_orig_params"):
-        _check_type(flag, kw[flag], bool, allow_none=False)
-    _check_type("forward_prefetch", kw["forward_prefetch"], bool)
-
-    group, mesh_given = kw["process_group"], kw["device_mesh"]
-    hybrid = STRATEGY_RULES[strategy].replicate
-    if isinstance(group, tuple):
-        if not hybrid:
-            raise ValueError(
-                f"a (shard, replicate) process_group tuple needs HYBRID_SHARD, not {strategy.name}"
-            )
-        if len(group) != 2:
-            raise ValueError("process_group tuple must be (shard_group, replicate_group)")
-        for g in group:
-            _check_type("process_group[i]", g, dist.ProcessGroup, allow_none=False)
-    else:
-        _check_type("process_group", group, dist.ProcessGroup)
-    _check_type("device_mesh", mesh_given, DeviceMesh)
-    if group is not None and mesh_given is not None:
-        raise ValueError("pass process_group or device_mesh, not both")
-    if mesh_given is not None and mesh_given.ndim != (2 if hybrid else 1):
-        raise ValueError(
-            f"{strategy.name} needs a {2 if hybrid else 1}-D device_mesh, got {mesh_given.ndim}-D"
-        )
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "FullyShardedModule needs torch.distributed initialized first: "
-            "call torch.distributed.init_process_group (torchrun sets up the environment)"
-        )
-
-    device = _resolve_device(module, kw["device_id"])
-    replicate_group = None
-    if hybrid:
-        mesh = mesh_given if mesh_given is not None else _hybrid_mesh(group, device)
-        replicate_group, group = mesh.get_group(0), mesh.get_group(1)
-    elif mesh_given is not None:
-        mesh, group = mesh_given, mesh_given.get_group()
-    else:
-        group = group or dist.group.WORLD
-        mesh = DeviceMesh.from_group(group, device.type)
-
-    ignored_modules, ignored_params = _resolve_ignored(
-        module, kw["ignored_modules"], kw["ignored_states"]
-    )
-    return UnitConfig(
-        strategy=strategy,
-        rules=STRATEGY_RULES[strategy],
-        group=group,
-        mesh=mesh,
-        replicate_group=replicate_group,
-        storage_device=offload.storage_device(device, offload_params),
-        disk=offload.disk_store(kw["cpu_offload"], dist.get_rank()),
-        param_init_fn=kw["param_init_fn"],
-        sync_module_states=kw["sync_module_states"],
-        device=device,
-        backward_prefetch=kw["backward_prefetch"],
-        forward_prefetch=(
-            device.type == "cpu" if kw["forward_prefetch"] is None else kw["forward_prefetch"]
-        ),
-        ignored_params=frozenset(ignored_params),
-        ignored_modules=frozenset(ignored_modules),
-        precision=precision,
-    )
-
-
-def _apply_overrides(
-    config: UnitConfig,
-    sharding_strategy: ShardingStrategy | None,
-    mixed_precision: MixedPrecision | None,
-    cpu_offload: CPUOffload | None,
-) -> UnitConfig:
-    """A nested wrapper's config: the root's, with the strategy and precision it was given.
-
-    auto-wrap passes the root's values explicitly, so ``mixed_precision=None`` here means a
-    policy asked for full precision (as for BatchNorm), not "unset".
-    """
-    strategy = sharding_strategy or config.strategy
-    _check_type("sharding_strategy", strategy, ShardingStrategy)
-    if STRATEGY_RULES[strategy].replicate != config.rules.replicate:
-        raise NotImplementedError(
-            f"a unit with {strategy.name} under a root with {config.strategy.name}: mixing hybrid "
-            "and non-hybrid units needs another process group layout (not built)"
-        )
-    _check_type("mixed_precision", mixed_precision, MixedPrecision)
-    _check_type("cpu_offload", cpu_offload, CPUOffload)
-    offload_params = _check_offload(cpu_offload, strategy)
-    return dataclasses.replace(
-        config,
-        strategy=strategy,
-        rules=STRATEGY_RULES[strategy],
-        precision=resolve(mixed_precision),
-        storage_device=offload.storage_device(config.device, offload_params),
-        # Nested units share the root's directory; a policy can turn disk offload off for one.
-        disk=config.disk if offload_params and cpu_offload.offload_dir is not None else None,
-    )
-
-
-def _check_offload(cpu_offload: CPUOffload | None, strategy: ShardingStrategy) -> bool:
-    offload_params = cpu_offload is not None and cpu_offload.offload_params
-    if offload_params and not STRATEGY_RULES[strategy].shard_params:
-        raise NotImplementedError("cpu_offload with NO_SHARD is not built (shard the params)")
-    return offload_params
-
-
-def _hybrid_mesh(groups: tuple | None, device: torch.device) -> DeviceMesh:
-    """The (replicate, shard) mesh for HYBRID_SHARD from a group tuple, or by default one shard
-    group per node (LOCAL_WORLD_SIZE ranks, as torch FSDP1 shards within a node)."""
-    world_size = dist.get_world_size()
-    if groups is None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        if world_size % local:
-            raise ValueError(f"world size {world_size} is not a multiple of {local} ranks per node")
-        return init_device_mesh(
-            device.type, (world_size // local, local), mesh_dim_names=("replicate", "shard")
-        )
-    shard_group, replicate_group = groups
-    # Every rank says where it sits; the mesh tensor is the same on all ranks.
-    me = (dist.get_rank(replicate_group), dist.get_rank(shard_group), dist.get_rank())
-    seats = collectives.all_gather_objects(me)
-    layout = torch.empty(
-        dist.get_world_size(replicate_group), dist.get_world_size(shard_group), dtype=torch.int
-    )
-    for replica, shard, global_rank in seats:
-        layout[replica, shard] = global_rank
-    return DeviceMesh.from_group(
-        [replicate_group, shard_group],
-        device.type,
-        mesh=layout,
-        mesh_dim_names=("replicate", "shard"),
-    )
-
-
-def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
-    if device_id is None:
-        devices = {p.device for p in module.parameters() if not p.is_meta}
-        if len(devices) > 1:
-            raise ValueError(f"module has parameters on several devices {devices}; pass device_id")
-        if devices:
-            return devices.pop()
-        # Nothing materialized (or no params): the current accelerator if there is one.
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-    if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
-        raise TypeError(f"device_id must be an int or torch.device, got {type(device_id).__name__}")
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    if device_id.type == "cuda" and device_id.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device_id
-
-
-def _resolve_ignored(
-    module: nn.Module, ignored_modules: Iterable | None, ignored_states: Iterable | None
-) -> tuple[set[nn.Module], set[nn.Parameter]]:
-    if ignored_modules is not None and ignored_states is not None:
-        raise ValueError("pass ignored_modules or ignored_states, not both")
-    submodules = set(module.modules())
-    mods: set[nn.Module] = set()
-    params: set[nn.Parameter] = set()
-    for item in list(ignored_modules or []) + list(ignored_states or []):
-        if isinstance(item, nn.Parameter):
-            params.add(item)
-        elif isinstance(item, nn.Module):
-            if item not in submodules:
-                raise ValueError(
-                    f"ignored module {type(item).__name__} is not a submodule of the wrapped module"
-                )
-            if isinstance(item, FullyShardedModule):
-                raise ValueError("an ignored module cannot be a FullyShardedModule")
-            mods.add(item)
-        else:
-            raise TypeError(
-                f"ignored_modules/ignored_states hold nn.Module or nn.Parameter, "
-                f"got {type(item).__name__}"
-            )
-    for m in mods:
-        params.update(m.parameters())
-    return mods, params
-
-
-def _move_to_device(module: nn.Module, config: UnitConfig) -> None:
-    if _has_meta(list(module.modules())):
-        return  # materialized on config.device unit by unit (_materialize)
-    if config.storage_device != config.device:
-        # CPU offload: params stay where they are and are sharded straight into CPU memory;
-        # only buffers, which forward uses whole, go to the compute device.
-        for m in module.modules():
-            for name, buf in m._buffers.items():
-                if buf is not None:
-                    m._buffers[name] = buf.to(config.device)
-        return
-    if any(p.device != config.device for p in module.parameters()):
-        module.to(config.device)
-
-
-def _check_same_model_across_ranks(module: nn.Module, config: UnitConfig) -> None:
-    """Fail with a message naming the difference if ranks built different models.
-
-    Mismatched models would otherwise give collectives of different sizes, which hang or corrupt.
-    """
-    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
-    for group in _data_parallel_groups(config):
-        _compare_across(mine, group)
-
-
-def _data_parallel_groups(config: UnitConfig) -> list[dist.ProcessGroup]:
-    # Shard group first, then replicas: after both, every rank agrees with global rank 0.
-    return [config.group] + ([config.replicate_group] if config.replicate_group else [])
-
-
-def _compare_across(mine: list, group: dist.ProcessGroup) -> None:
-    everyone = collectives.all_gather_objects(mine, group=group)
-    reference, first = everyone[0], dist.get_global_rank(group, 0)
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        rank = dist.get_global_rank(group, rank)
-        if theirs == reference:
-            continue
-        if len(theirs) != len(reference):
-            raise ValueError(
-                f"ranks built different models: rank {first} has {len(reference)} parameters, "
-                f"rank {rank} has {len(theirs)}"
-            )
-        for ref, other in zip(reference, theirs):
-            if ref != other:
-                raise ValueError(
-                    "ranks built different models: parameter "
-                    f"{ref[0]!r} is {ref[1]} {ref[2]} on rank {first} but {other[0]!r} is "
-                    f"{other[1]} {other[2]} on rank {rank}"
-                )
-
-
-def _broadcast_module_states(module: nn.Module, config: UnitConfig) -> None:
-    _broadcast_from_rank0([*module.parameters(), *module.buffers()], config)
-
-
-def _broadcast_from_rank0(tensors: list[torch.Tensor], config: UnitConfig) -> None:
-    """Give every rank rank 0's values (shard group first, then across replicas)."""
-    with torch.no_grad():
-        for group in _data_parallel_groups(config):
-            source = dist.get_global_rank(group, 0)
-            for tensor in tensors:
-                dist.broadcast(tensor.data, src=source, group=group)
-
-
-def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
-    """Collect the parameters this wrapper owns (not nested wrappers', not ignored) and shard them."""
-    locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
-    names: dict[nn.Parameter, str] = {}
-    nested_params: dict[int, ShardedParam] = {}
-    own_modules: list[nn.Module] = []
-    stack: list[tuple[str, nn.Module]] = [("", module)]
-    while stack:
-        path, m = stack.pop()
-        if isinstance(m, FullyShardedModule):
-            for p in m._unit.params:
-                orig = p.orig_param_ref()
-                if orig is not None:
-                    nested_params[id(orig)] = p
-            continue
-        if m in config.ignored_modules:
-            continue
-        own_modules.append(m)
-        for attr, param in m._parameters.items():
-            if param is None or param in config.ignored_params:
-                continue
-            locations.setdefault(param, []).append((m, attr))
-            names.setdefault(param, f"{path}{attr}")
-        for child_name, child in reversed(list(m._modules.items())):
-            if child is not None:
-                stack.append((f"{path}{child_name}.", child))
-    for param, name in names.items():
-        if id(param) in nested_params:
-            raise ValueError(
-                f"parameter {_clean_name(name)!r} is shared with a nested unit "
-                f"({nested_params[id(param)].fqn!r}); put the modules sharing it in one unit"
-            )
-    buffers: dict[nn.Parameter, torch.Tensor] = {}  # param -> the unsharded buffer it lives in
-    if _has_meta(own_modules):
-        locations, names, buffers = _materialize(own_modules, locations, names, config)
-    # ``names`` is in registration (pre-order) order, so the flat layout is the same on every rank.
-    ordered = list(names)
-    rank = dist.get_rank(config.group)
-    world_size = dist.get_world_size(config.group)
-    params = [
-        ShardedParam(
-            p,
-            locations[p],
-            _clean_name(names[p]),
-            config.mesh,
-            rank,
-            world_size,
-            shard=config.rules.shard_params,
-            compute_dtype=config.precision.param_dtype,
-            storage_device=config.storage_device,
-            compute_device=config.device,
-            unsharded_buffer=buffers.get(p),
-            disk=config.disk,
-        )
-        for p in ordered
-    ]
-    unit = ShardedUnit(params, config.group, config.rules, config.precision, config.replicate_group)
-    # Buffers live whole on every rank; under mixed precision they compute in buffer_dtype.
-    # The original dtypes are kept so that state dicts can hand them back in full precision.
-    unit.buffer_dtypes = {
-        (m, name): buf.dtype
-        for m in own_modules
-        for name, buf in m._buffers.items()
-        if buf is not None
-    }
-    for m in own_modules:
-        cast_buffers(m, config.precision.buffer_dtype, skip=(FullyShardedModule,), recurse=False)
-    return unit
-
-
-def _has_meta(modules: list[nn.Module]) -> bool:
-    return any(
-        t is not None and t.is_meta
-        for m in modules
-        for t in (*m._parameters.values(), *m._buffers.values())
-    )
-
-
-def _materialize(
-    own_modules: list[nn.Module],
-    locations: dict[nn.Parameter, list[tuple[nn.Module, str]]],
-    names: dict[nn.Parameter, str],
-    config: UnitConfig,
-) -> tuple[dict, dict, dict]:
-    """Allocate and initialize this unit's meta-device params and buffers, just before sharding.
-
-    Units are built children first, so only one unit is ever unsharded in memory: the model is
-    never whole on one rank. Each param is allocated inside the padded unsharded buffer its
-    ShardedParam will use (returned, param -> buffer), so the unit exists once, not twice. A tied
-    parameter gets one tensor for all its places (``to_empty`` would untie it).
-    ``param_init_fn(module)`` initializes, else ``module.reset_parameters()``; with
-    ``sync_module_states`` rank 0's values are then broadcast.
-    """
-    touched = [m for m in own_modules if _has_meta([m])]
-    real_locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
-    real_names: dict[nn.Parameter, str] = {}
-    buffers: dict[nn.Parameter, torch.Tensor] = {}
-    world_size = dist.get_world_size(config.group)
-    for param, where in locations.items():
-        real = param
-        if param.is_meta:
-            if config.rules.shard_params and param.dim() > 0:
-                buffer = torch.empty(
-                    padded_numel(param.shape, world_size), dtype=param.dtype, device=config.device
-                )
-                data = buffer[: param.numel()].view(param.shape)
-            else:
-                buffer, data = None, torch.empty_like(param, device=config.device)
-            real = nn.Parameter(data, requires_grad=param.requires_grad)
-            if buffer is not None:
-                buffers[real] = buffer
-            for m, attr in where:
-                m._parameters[attr] = real
-        real_locations[real], real_names[real] = where, names[param]
-    for m in touched:
-        for name, buf in m._buffers.items():
-            if buf is not None and buf.is_meta:
-                m._buffers[name] = torch.empty_like(buf, device=config.device)
-    with torch.no_grad():
-        for m in touched:
-            if config.param_init_fn is not None:
-                config.param_init_fn(m)
-            elif hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-    if config.sync_module_states:
-        tensors = [t for m in touched for t in (*m._parameters.values(), *m._buffers.values())]
-        # dict.fromkeys: a tied parameter is in two modules but is sent once
-        _broadcast_from_rank0([t for t in dict.fromkeys(tensors) if t is not None], config)
-    return real_locations, real_names, buffers
 
 
 def _clean_name(name: str) -> str:

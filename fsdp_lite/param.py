@@ -162,7 +162,7 @@ class ShardedParam:
         )
 
         # In compute_dtype (MixedPrecision.param_dtype) when set: forward and backward run on it.
-        # Meta init materializes the param inside this buffer already (module._materialize), so
+        # Meta init materializes the param inside this buffer already (construct._materialize), so
         # the unit is never allocated twice.
         dtype = compute_dtype or data.dtype
         reuse = (
