@@ -189,8 +189,12 @@ def _apply_overrides(
 
 def _check_offload(cpu_offload: CPUOffload | None, strategy: ShardingStrategy) -> bool:
     offload_params = cpu_offload is not None and cpu_offload.offload_params
-    if offload_params and not STRATEGY_RULES[strategy].shard_params:
-        raise NotImplementedError("cpu_offload with NO_SHARD is not built (shard the params)")
+    disk = offload_params and cpu_offload.offload_dir is not None
+    if disk and not STRATEGY_RULES[strategy].shard_params:
+        raise NotImplementedError(
+            "cpu_offload with offload_dir and NO_SHARD is not built: disk offload keeps shards; "
+            "use a sharded strategy, or CPUOffload(offload_params=True) without offload_dir"
+        )
     return offload_params
 
 

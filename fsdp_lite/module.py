@@ -56,7 +56,7 @@ class FullyShardedModule(nn.Module):
         process_group: the ranks to shard over (default: the default process group).
         sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP or NO_SHARD.
         cpu_offload: ``CPUOffload(offload_params=True)`` keeps sharded params, their grads and
-            the optimizer step in CPU memory (not with NO_SHARD); with ``offload_dir`` set, in
+            the optimizer step in CPU memory; with ``offload_dir`` set (not with NO_SHARD), in
             memory-mapped files under that directory (docs/disk_offload.md).
         auto_wrap_policy: chooses submodules that become units of their own (see fsdp_lite.wrap).
         backward_prefetch: when to start the next unit's all-gather in backward (default BACKWARD_PRE).

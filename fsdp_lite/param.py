@@ -124,13 +124,20 @@ class ShardedParam:
         if not shard:
             self.shard_rows = self.local_rows = self.orig_size[0] if orig_param.dim() else 1
             self.shard_numel = self.padded_numel = self.local_numel = orig_param.numel()
+            compute = compute_device or orig_param.device
+            storage = storage_device or compute
+            if orig_param.device != storage:  # CPU offload: the whole param lives in CPU memory
+                moved = offload.new_shard(orig_param.numel(), orig_param.dtype, storage, compute)
+                orig_param.data = moved.view(self.orig_size).copy_(orig_param.data)
             self.sharded_param = orig_param
             self.sharded_flat = orig_param.data.view(-1)
             self.unsharded_flat = None
             self.unsharded_param = None
-            if compute_dtype is not None and compute_dtype != orig_param.dtype:
-                # NO_SHARD under mixed precision: forward runs on a low-precision copy.
-                self.unsharded_flat = orig_param.detach().new_empty(self.numel, dtype=compute_dtype)
+            dtype = compute_dtype or orig_param.dtype
+            if dtype != orig_param.dtype or storage != compute:
+                # NO_SHARD under mixed precision or CPU offload: forward runs on a copy in the
+                # compute dtype on the compute device.
+                self.unsharded_flat = torch.empty(self.numel, dtype=dtype, device=compute)
                 self.unsharded_param = nn.Parameter(
                     self.unsharded_flat.view(self.orig_size), requires_grad=self.requires_grad
                 )

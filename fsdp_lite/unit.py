@@ -303,8 +303,8 @@ class ShardedUnit:
                 if not scattered:  # ZeRO-1: a view of this rank's rows of the whole gradient
                     piece = p.rows_of(piece)
                 p.set_sharded_grad(piece, self.precision.keep_low_precision_grads)
-            elif used > 0 and self.uses_unsharded_copy:  # NO_SHARD + mixed precision
-                grad = piece.view(p.orig_size)
+            elif used > 0 and self.uses_unsharded_copy:  # NO_SHARD + mixed precision or offload
+                grad = offload.to_device(piece.view(p.orig_size), p.sharded_flat.device)
                 if not self.precision.keep_low_precision_grads:
                     grad = grad.to(p.sharded_param.dtype)
                 elif grad.dtype != p.sharded_param.dtype:

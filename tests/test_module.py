@@ -43,14 +43,14 @@ BAD_INPUT = {
         ValueError,
         "HYBRID_SHARD needs a 2-D device_mesh, got 1-D",
     ),
-    "cpu_offload_with_no_shard_not_built": (
+    "disk_offload_with_no_shard_not_built": (
         lambda m, g: FSDP(
             m,
             sharding_strategy=ShardingStrategy.NO_SHARD,
-            cpu_offload=CPUOffload(offload_params=True),
+            cpu_offload=CPUOffload(offload_params=True, offload_dir="/tmp"),
         ),
         NotImplementedError,
-        "cpu_offload with NO_SHARD",
+        "offload_dir and NO_SHARD",
     ),
     "cpu_offload_wrong_type": (
         lambda m, g: FSDP(m, cpu_offload=True),

@@ -34,7 +34,8 @@ def _offload_rank(rank: int, world_size: int, strategy_name: str) -> None:
         for name, p in fsdp.named_parameters():
             what = f"rank {rank} step {step} {name} ({strategy_name})"
             assert local(p).device.type == "cpu" and local(p.grad).device.type == "cpu", what
-            want = shard_of(ref[name].detach(), rank, world_size)
+            want = ref[name].detach()
+            want = shard_of(want, rank, world_size) if hasattr(p, "to_local") else want
             assert_close(local(p).detach(), want, what=what, rtol=0.0, atol=0.0)
         for optim in optims:
             optim.zero_grad()
@@ -42,17 +43,20 @@ def _offload_rank(rank: int, world_size: int, strategy_name: str) -> None:
     assert all(local(s["exp_avg"]).device.type == "cpu" for s in states), "optimizer state on CPU"
 
 
-@pytest.mark.parametrize("strategy_name", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM"])
+@pytest.mark.parametrize(
+    "strategy_name", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD"]
+)
 def test_cpu_offload_trains_like_ddp_with_shards_in_cpu_memory(tmp_path, strategy_name):
     run_ranks(_offload_rank, 2, tmp_path, args=(strategy_name,), timeout=120)
 
 
-def _offload_gpu_rank(rank: int, world_size: int) -> None:
+def _offload_gpu_rank(rank: int, world_size: int, strategy_name: str) -> None:
     device = torch.device("cuda", 0)
     models = {}
     for offload in (False, True):
         models[offload] = FSDP(
             build_model("lm"),
+            sharding_strategy=ShardingStrategy[strategy_name],
             auto_wrap_policy=POLICIES["lm"],
             device_id=device,
             cpu_offload=CPUOffload(offload_params=offload),
@@ -75,5 +79,6 @@ def _offload_gpu_rank(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.gpu
-def test_cpu_offload_on_gpu_keeps_pinned_cpu_shards_and_matches_no_offload(tmp_path):
-    run_ranks(_offload_gpu_rank, 1, tmp_path, timeout=120)
+@pytest.mark.parametrize("strategy_name", ["FULL_SHARD", "NO_SHARD"])
+def test_cpu_offload_on_gpu_keeps_pinned_cpu_shards_and_matches_no_offload(tmp_path, strategy_name):
+    run_ranks(_offload_gpu_rank, 1, tmp_path, args=(strategy_name,), timeout=120)
