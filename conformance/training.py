@@ -113,6 +113,16 @@ def train_step(trainer: Trainer, micro_batches: list[Batch], feature: Feature, s
     sink("optim_state", trainer.optim_state())
 
 
+def _optimizer_step(optim: torch.optim.Optimizer, scaler) -> None:
+    """Step (through the fp16 scaler when there is one), then drop the gradients."""
+    if scaler is not None:
+        scaler.step(optim)
+        scaler.update()
+    else:
+        optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
 def _flat_optim_state(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {f"{name}:{key}": t for name, per in state.items() for key, t in per.items()}
 
@@ -156,12 +166,7 @@ class ImplTrainer(Trainer):
         return self.adapter.clip_grad_norm_(self.model, max_norm)
 
     def step(self) -> None:
-        if self.scaler is not None:
-            self.scaler.step(self.optim)
-            self.scaler.update()
-        else:
-            self.optim.step()
-        self.optim.zero_grad(set_to_none=True)
+        _optimizer_step(self.optim, self.scaler)
 
     def grads(self):
         return self.adapter.full_grads(self.model)
@@ -244,12 +249,7 @@ class ReplicaTrainer(Trainer):
         return torch.nn.utils.clip_grad_norm_(self.master.parameters(), max_norm)
 
     def step(self) -> None:
-        if self.scaler is not None:
-            self.scaler.step(self.optim)
-            self.scaler.update()
-        else:
-            self.optim.step()
-        self.optim.zero_grad(set_to_none=True)
+        _optimizer_step(self.optim, self.scaler)
         if self.dtype is not None:
             with torch.no_grad():
                 for master, low in zip(self.master.parameters(), self.compute.parameters()):

@@ -137,9 +137,12 @@ class ShardedUnit:
 
     def _holds_fresh_copy(self) -> bool:
         """ZeRO-1: the kept unsharded params still equal the shards (Note [ZeRO-1])."""
-        return self._gathered_versions is not None and self._gathered_versions == [
-            (p.sharded_param._version, p.sharded_flat._version) for p in self.params
-        ]
+        return self._gathered_versions is not None and self._gathered_versions == self._versions()
+
+    def _versions(self) -> list[tuple[int, int]]:
+        # In-place ops on the DTensor (the optimizer's) bump its own version counter, not its
+        # local tensor's; copies into sharded_flat (writeback, loads) bump only the flat's.
+        return [(p.sharded_param._version, p.sharded_flat._version) for p in self.params]
 
     def unshard(self, phase: str, async_op: bool = False) -> None:
         """Start the all-gather of this unit's shards; ``wait_for_unshard`` finishes it."""
@@ -160,11 +163,7 @@ class ShardedUnit:
         shards = [offload.to_device(p.sharded_flat, self.compute_device) for p in self.params]
         collectives.all_gather_copy_in(shards, all_gather_input)
         if not self.rules.reshard_after_backward:
-            # In-place ops on the DTensor (the optimizer's) bump its own version counter, not its
-            # local tensor's; copies into sharded_flat (writeback, loads) bump only the flat's.
-            self._gathered_versions = [
-                (p.sharded_param._version, p.sharded_flat._version) for p in self.params
-            ]
+            self._gathered_versions = self._versions()
         offload.after_copy_in(self.params, phase)
         self._record("all_gather", phase, all_gather_input)
         self._all_gather = collectives.all_gather(

@@ -198,7 +198,7 @@ def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> f
     cast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if system.autocast else contextlib.nullcontext()
     )
-    with cast, _reduce_scatter_as_issued(system.spec):
+    with cast, _backend_reduce_scatter(system.spec):
         logits = system.model(inputs)  # (batch, seq_len, vocab_size)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
@@ -207,7 +207,7 @@ def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> f
 
 
 @contextlib.contextmanager
-def _reduce_scatter_as_issued(spec: SystemSpec):
+def _backend_reduce_scatter(spec: SystemSpec):
     """For the /rs variant: every backend runs its own reduce-scatter inside the block."""
     if not spec.native_reduce_scatter:
         yield

@@ -296,12 +296,12 @@ def test_gloo_reduce_scatter_by_sends_equals_the_real_reduce_scatter(ranks_seen)
     world_size, seen = ranks_seen
     for rank, s in enumerate(seen):
         assert s["reduce_scatter_by_sends"] == (world_size == 2), "sends at 2 ranks only"
-        flat, native = s["reduce_scatter_output"], s["native_reduce_scatter_output"]
-        assert flat.shape == native.shape
-        pieces = zip(_split_per_param(flat, world_size), _split_per_param(native, world_size))
-        for i, (name, (a, b)) in enumerate(zip(SHAPE_NAMES, pieces)):
-            terms = [_rank_rows(t, rank, world_size) for t in _divided_terms(i, world_size)]
-            _assert_same_sum(a, b, terms, f"rank {rank} param {name}: sends vs reduce-scatter")
+        # At 2 ranks the sends add a + b, which is b + a bitwise; at 3 both ran gloo's own.
+        _assert_bitwise(
+            s["reduce_scatter_output"],
+            s["native_reduce_scatter_output"],
+            f"rank {rank}: sends vs reduce-scatter",
+        )
 
 
 def test_reduce_scatter_output_is_this_rank_slice_of_the_average(ranks_seen):

@@ -10,6 +10,8 @@ See docs/conformance.md, "Adding an adapter for your own FSDP".
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -22,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from conformance.matrix import Case
 
-__all__ = ["Adapter", "Unsupported", "WrapRequest", "clean_name", "full_tensor"]
+__all__ = ["Adapter", "Fsdp1ApiAdapter", "Unsupported", "WrapRequest", "clean_name", "full_tensor"]
 
 # Wrapper attributes that appear in parameter names but not in the user's module.
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -195,3 +197,60 @@ class Adapter:
     def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a state dict as ``full_state_dict`` returns it into a freshly wrapped model."""
         model.load_state_dict(state_dict)
+
+
+class Fsdp1ApiAdapter(Adapter):
+    """An implementation with torch FSDP1's constructor, under the module named ``api``.
+
+    torch.distributed.fsdp and fsdp_lite have the same names (the point of a swap-in), so one
+    recipe wraps both: a lambda auto-wrap policy picking the case's units, ``device_id``,
+    ``process_group`` (or a 2-D ``device_mesh`` for HYBRID_SHARD), ``use_orig_params=True``.
+    """
+
+    api: ClassVar[str]  # holds FullyShardedDataParallel, ShardingStrategy, MixedPrecision, ...
+
+    def strategies(self) -> list[str]:
+        strategy = importlib.import_module(self.api).ShardingStrategy
+        return [s.name for s in strategy if not s.name.startswith("_")]
+
+    def unsupported_reason(self, case: Case) -> str | None:
+        if case.strategy not in self.strategies():
+            return f"{self.api}.ShardingStrategy has no {case.strategy}"
+        return None
+
+    def wrap(self, model: nn.Module, request: WrapRequest) -> nn.Module:
+        api = importlib.import_module(self.api)
+        policy = importlib.import_module(f"{self.api}.wrap").lambda_auto_wrap_policy
+        kwargs: dict[str, Any] = {}
+        if request.param_dtype is not None:
+            dtype = request.param_dtype
+            kwargs["mixed_precision"] = api.MixedPrecision(
+                param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype
+            )
+        if request.cpu_offload:
+            kwargs["cpu_offload"] = api.CPUOffload(offload_params=True)
+        if request.backward_prefetch != "default":
+            kwargs["backward_prefetch"] = (
+                None
+                if request.backward_prefetch == "NONE"
+                else api.BackwardPrefetch[request.backward_prefetch]
+            )
+        if request.strategy.startswith("HYBRID"):
+            kwargs["device_mesh"] = request.hybrid_mesh()
+        else:
+            kwargs["process_group"] = request.group
+        return api.FullyShardedDataParallel(
+            model,
+            sharding_strategy=api.ShardingStrategy[request.strategy],
+            auto_wrap_policy=functools.partial(policy, lambda_fn=request.unit_policy()),
+            device_id=request.device,
+            forward_prefetch=request.forward_prefetch,
+            use_orig_params=True,
+            **kwargs,
+        )
+
+    def make_grad_scaler(self, model: nn.Module, request: WrapRequest, init_scale: float) -> Any:
+        scaler = importlib.import_module(f"{self.api}.sharded_grad_scaler").ShardedGradScaler
+        return scaler(
+            device=request.device.type, init_scale=init_scale, process_group=request.group
+        )

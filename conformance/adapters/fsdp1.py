@@ -8,82 +8,25 @@ dicts are FSDP1's default FULL_STATE_DICT.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import Adapter, Unsupported, WrapRequest, clean_name
-from conformance.matrix import Case
+from conformance.adapters.base import Fsdp1ApiAdapter, Unsupported, WrapRequest, clean_name
 
 __all__ = ["TorchFSDP1Adapter"]
 
 
-class TorchFSDP1Adapter(Adapter):
+class TorchFSDP1Adapter(Fsdp1ApiAdapter):
     name = "torch_fsdp1"
     description = "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1), use_orig_params=True"
-
-    def strategies(self) -> list[str]:
-        from torch.distributed.fsdp import ShardingStrategy
-
-        return [s.name for s in ShardingStrategy if not s.name.startswith("_")]
-
-    def unsupported_reason(self, case: Case) -> str | None:
-        if case.strategy not in self.strategies():
-            return f"torch FSDP1's ShardingStrategy has no {case.strategy}"
-        return None
+    api = "torch.distributed.fsdp"
 
     def wrap(self, model: nn.Module, request: WrapRequest) -> nn.Module:
-        from torch.distributed.fsdp import (
-            BackwardPrefetch,
-            CPUOffload,
-            MixedPrecision,
-            ShardingStrategy,
-        )
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-
         if request.cpu_offload and request.device.type == "cpu":
             # FSDP1 moves offloaded shards to the accelerator for compute; without one, the first
             # forward raises "Cannot access accelerator device when none is available".
             raise Unsupported("FSDP1's CPUOffload needs an accelerator as the compute device")
-        kwargs: dict[str, Any] = {}
-        if request.param_dtype is not None:
-            dtype = request.param_dtype
-            kwargs["mixed_precision"] = MixedPrecision(
-                param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype
-            )
-        if request.cpu_offload:
-            kwargs["cpu_offload"] = CPUOffload(offload_params=True)
-        if request.backward_prefetch != "default":
-            kwargs["backward_prefetch"] = (
-                None
-                if request.backward_prefetch == "NONE"
-                else BackwardPrefetch[request.backward_prefetch]
-            )
-        if request.strategy.startswith("HYBRID"):
-            kwargs["device_mesh"] = request.hybrid_mesh()
-        else:
-            kwargs["process_group"] = request.group
-        return FSDP(
-            model,
-            sharding_strategy=ShardingStrategy[request.strategy],
-            auto_wrap_policy=functools.partial(
-                lambda_auto_wrap_policy, lambda_fn=request.unit_policy()
-            ),
-            device_id=request.device,
-            forward_prefetch=request.forward_prefetch,
-            use_orig_params=True,
-            **kwargs,
-        )
-
-    def make_grad_scaler(self, model: nn.Module, request: WrapRequest, init_scale: float) -> Any:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(
-            device=request.device.type, init_scale=init_scale, process_group=request.group
-        )
+        return super().wrap(model, request)
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
