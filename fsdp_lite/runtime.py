@@ -11,6 +11,12 @@ gradient has been accumulated (``register_post_accumulate_grad_hook`` fires once
 for a parameter used twice, because autograd sums into one AccumulateGrad call). Parameters unused in
 this forward never fire; ``finalize_backward`` reduces their units at the end, in unit order, so
 every rank issues the same collectives in the same order.
+
+Note [Backward order]: backward needs units in the reverse of the order their forwards *ended*,
+not began. A root, or any parent unit, begins its forward first but ends it last, so it is first
+in backward; then comes the last child. Reverse pre-forward order would put the parent last, and
+the unit after it in backward (the last block, under a root) would never be prefetched: its
+all-gather would block. Torch FSDP2 prefetches the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ class StepRuntime:
         self.forward_prefetch = forward_prefetch
         self.forward_order: list[ShardedUnit] = []  # pre_forward order of the first step
         self._position: dict[ShardedUnit, int] = {}  # unit -> index in forward_order, for the hooks
+        # post_forward order of the first step; backward needs units in its reverse (Note
+        # [Backward order]).
+        self.post_forward_order: list[ShardedUnit] = []
+        self._post_position: dict[ShardedUnit, int] = {}
         self._recording_order = True
         self._callback_queued = False
         self._reducing: ShardedUnit | None = None  # the latest unit whose reduction is in flight
@@ -71,6 +81,9 @@ class StepRuntime:
         unit.assert_state(TrainingState.FORWARD)
         if unit.trace is not None:
             unit.trace.compute(unit, "forward", "end")
+        if self._recording_order and unit not in self._post_position:
+            self._post_position[unit] = len(self.post_forward_order)
+            self.post_forward_order.append(unit)
         grad_enabled = torch.is_grad_enabled()
         # The root's params are needed first thing in backward, so it keeps them (as torch does).
         if not grad_enabled or (unit.rules.reshard_after_forward and not unit.is_root):
@@ -143,11 +156,19 @@ class StepRuntime:
     # ---- prefetch ----------------------------------------------------------------------------
 
     def _prefetch(self, unit: ShardedUnit, step: int, phase: str) -> None:
-        """Start the all-gather of the unit that runs next (step +1 in forward, -1 in backward)."""
-        if unit not in self._position:
+        """Start the all-gather of the unit that runs next: the next in forward order (step +1),
+        or in backward order, the reverse of post-forward order (step -1)."""
+        order, position = (
+            (self.forward_order, self._position)
+            if phase == "forward"
+            else (self.post_forward_order, self._post_position)
+        )
+        if unit not in position:
             return
-        index = self._position[unit] + step
-        if 0 <= index < len(self.forward_order):
-            target = self.forward_order[index]
+        index = position[unit] + step
+        if 0 <= index < len(order):
+            target = order[index]
+            if phase == "backward" and target.ran_pre_backward:
+                return  # its backward already ran (BACKWARD_POST from the root, at the end)
             if target.needs_all_gather():
                 target.unshard(phase, async_op=True)

@@ -174,8 +174,7 @@ class ShardedUnit:
         result, self._all_gather = self._all_gather, None
         if result is None:
             return
-        if result.work is not None:
-            result.work.wait()
+        result.wait()
         self._record_done("all_gather")
         with contextlib.ExitStack() as stack, torch.no_grad():
             # The copy writes into tensors autograd saved in forward; their contents are the same

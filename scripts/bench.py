@@ -55,7 +55,8 @@ MiB = 1024**2
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 REFERENCE = "torch_fsdp2"  # the "x FSDP2" column
-RS_VARIANT = "fsdp_lite/FULL_SHARD/rs"  # FULL_SHARD with the real reduce-scatter on gloo too
+# FULL_SHARD with the backend's own all-gather and reduce-scatter, where fsdp_lite would send rows
+COLLECTIVES_VARIANT = "fsdp_lite/FULL_SHARD/collectives"
 FLOOR = "single"
 
 # ---- the systems ---------------------------------------------------------------------------------
@@ -69,10 +70,10 @@ class SystemSpec:
     # Collectives per step in units of psi*(N-1)/N (all-gathers, reduce-scatters, all-reduces).
     theory: tuple[int, int, int] = (0, 0, 0)
     replicas: int = 1  # HYBRID_SHARD: the shard group is world_size / replicas ranks
-    # fsdp_lite does a gradient reduce-scatter by sending rows directly on gloo, where that is
-    # faster (collectives.REDUCE_SCATTER_BY_SENDS); True forces gloo's own reduce-scatter, to
-    # measure both on one machine.
-    native_reduce_scatter: bool = False
+    # On gloo fsdp_lite all-gathers and reduce-scatters by sending rows directly, where that is
+    # faster (collectives.ALL_GATHER_BY_SENDS, REDUCE_SCATTER_BY_SENDS); True forces the backend's
+    # own collectives, to measure both on one machine.
+    backend_collectives: bool = False
 
 
 def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
@@ -86,7 +87,7 @@ def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
         SystemSpec("torch_fsdp1/SHARD_GRAD_OP", "fsdp1", "SHARD_GRAD_OP", (1, 1, 0)),
         SystemSpec(REFERENCE, "fsdp2", theory=(2, 1, 0)),
         SystemSpec("fsdp_lite/FULL_SHARD", "lite", "FULL_SHARD", (2, 1, 0)),
-        SystemSpec(RS_VARIANT, "lite", "FULL_SHARD", (2, 1, 0), native_reduce_scatter=True),
+        SystemSpec(COLLECTIVES_VARIANT, "lite", "FULL_SHARD", (2, 1, 0), backend_collectives=True),
         SystemSpec("fsdp_lite/SHARD_GRAD_OP", "lite", "SHARD_GRAD_OP", (1, 1, 0)),
         SystemSpec("fsdp_lite/NO_SHARD", "lite", "NO_SHARD", (0, 0, 1)),
     ]
@@ -198,7 +199,7 @@ def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> f
     cast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if system.autocast else contextlib.nullcontext()
     )
-    with cast, _backend_reduce_scatter(system.spec):
+    with cast, _backend_collectives(system.spec):
         logits = system.model(inputs)  # (batch, seq_len, vocab_size)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
@@ -207,19 +208,22 @@ def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> f
 
 
 @contextlib.contextmanager
-def _backend_reduce_scatter(spec: SystemSpec):
-    """For the /rs variant: every backend runs its own reduce-scatter inside the block."""
-    if not spec.native_reduce_scatter:
+def _backend_collectives(spec: SystemSpec):
+    """For the /collectives variant: every backend runs its own all-gather and reduce-scatter."""
+    if not spec.backend_collectives:
         yield
         return
     from fsdp_lite import collectives
 
-    saved = set(collectives.REDUCE_SCATTER_BY_SENDS)
-    collectives.REDUCE_SCATTER_BY_SENDS.clear()
+    by_sends = (collectives.ALL_GATHER_BY_SENDS, collectives.REDUCE_SCATTER_BY_SENDS)
+    saved = [set(backends) for backends in by_sends]
+    for backends in by_sends:
+        backends.clear()
     try:
         yield
     finally:
-        collectives.REDUCE_SCATTER_BY_SENDS.update(saved)
+        for backends, kept in zip(by_sends, saved):
+            backends.update(kept)
 
 
 # ---- what a rank measures ------------------------------------------------------------------------
@@ -411,8 +415,10 @@ def measure_system(system: System, args, cfg: GPTConfig, next_step: int) -> dict
         group_sizes = {"all_gather": shard_size, "reduce_scatter": shard_size}
         group_sizes["all_reduce"] = spec.replicas if spec.replicas > 1 else world_size
         sent = trace_sent_nbytes(records.records, group_sizes)
-        if "reduce_scatter" in sent and "send" in out["sent_nbytes"]:
-            sent["send"] = sent.pop("reduce_scatter")  # done by sends on gloo: the same bytes
+        # Done by sends on gloo (collectives.*_BY_SENDS): the same bytes, counted as sends.
+        for kind in ("all_gather", "reduce_scatter"):
+            if kind in sent and kind not in counter.sent_nbytes and "send" in counter.sent_nbytes:
+                sent["send"] = sent.get("send", 0.0) + sent.pop(kind)
         out["trace_sent_nbytes"] = sent
     extra = [make_batch(cfg, args.batch, args.seed, 10_000 + i, rank) for i in range(2)]
     out["peak_tracked_split"] = tracked_peak_nbytes(system, extra)
@@ -704,15 +710,15 @@ DEFINITIONS = {
     "root's backward all-gather that FSDP1, FSDP2 and fsdp_lite skip (they keep the root's params "
     "from forward); padding: what per-parameter dim-0 padding to a multiple of N adds; flags: "
     "fsdp_lite's one fp32 had-a-gradient count per parameter per reduction; send: on gloo "
-    "fsdp_lite does the gradient reduce-scatter by sending each row to its rank (faster there, "
-    "the same bytes); the /rs variant runs gloo's own reduce-scatter",
+    "fsdp_lite all-gathers and reduce-scatters by sending each row to its rank (faster there, "
+    "the same bytes); the /collectives variant runs gloo's own all-gather and reduce-scatter",
 }
 
 
 def targets(by_key: dict) -> list[dict]:
     """The fp32 targets for fsdp_lite FULL_SHARD, each met or missed by how much."""
     lite = by_key.get(("fp32", "fsdp_lite/FULL_SHARD"))
-    lite_rs = by_key.get(("fp32", RS_VARIANT))
+    lite_coll = by_key.get(("fp32", COLLECTIVES_VARIANT))
     fsdp2 = by_key.get(("fp32", REFERENCE))
     ddp = by_key.get(("fp32", "ddp"))
     if lite is None:
@@ -752,8 +758,8 @@ def targets(by_key: dict) -> list[dict]:
         max(lite["peak_tracked_nbytes"]),
         max(fsdp2["peak_tracked_nbytes"]) if fsdp2 else None,
     )
-    # Bytes against ZeRO-3's 3 psi, with gloo's reduce-scatter (/rs) and with fsdp_lite's sends.
-    for row, name in ((lite_rs, RS_VARIANT), (lite, "fsdp_lite/FULL_SHARD")):
+    # Bytes against ZeRO-3's 3 psi, with gloo's collectives and with fsdp_lite's sends.
+    for row, name in ((lite_coll, COLLECTIVES_VARIANT), (lite, "fsdp_lite/FULL_SHARD")):
         if row is None:
             check(f"{name} sent bytes <= theory", None, None)
             continue

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # vocab 61 and seq 15 are odd: the embedding, head and position rows need padding at 2 ranks.
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--vocab", "61", "--seq-len", "15"]
 TINY += ["--batch", "2", "--steps", "2", "--rounds", "1", "--warmup", "1", "--precision", "fp32"]
-SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD", "fsdp_lite/FULL_SHARD/rs"]
+SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD", "fsdp_lite/FULL_SHARD/collectives"]
 
 
 def run_bench(out: Path, *flags: str) -> dict:
@@ -57,8 +57,11 @@ def test_bench_json_has_one_row_per_system_with_every_measurement(report):
 def test_fsdp_lite_full_shard_sends_zero3_theory_within_padding(report):
     rows = {r["system"]: r for r in report["results"]}
     fsdp2 = rows["torch_fsdp2"]
-    # /rs runs gloo's own reduce-scatter; the default sends rows directly on gloo.
-    for name, sends in (("fsdp_lite/FULL_SHARD/rs", False), ("fsdp_lite/FULL_SHARD", True)):
+    # /collectives runs gloo's own all-gather and reduce-scatter; the default sends rows on gloo.
+    for name, sends in (
+        ("fsdp_lite/FULL_SHARD/collectives", False),
+        ("fsdp_lite/FULL_SHARD", True),
+    ):
         lite = rows[name]
         # Two independent counts: the c10d ops the dispatcher saw, and fsdp_lite.trace's records.
         assert lite["sent_nbytes"] == lite["trace_sent_nbytes"], name
@@ -70,15 +73,20 @@ def test_fsdp_lite_full_shard_sends_zero3_theory_within_padding(report):
         assert theory["flags"] == (2 - 1) * num_params * 4
         low = theory["theory"] - theory["root_kept"]  # the root keeps its params for backward
         if sends:
-            assert set(lite["sent_nbytes"][0]) == {"all_gather", "send"}, name
+            assert set(lite["sent_nbytes"][0]) == {"send"}, name
         else:
             assert set(lite["sent_nbytes"][0]) == {"all_gather", "reduce_scatter"}, name
         for rank, sent in enumerate(lite["sent_nbytes"]):
             total = sum(sent.values())
             high = low + theory["padding"] + theory["flags"]
             assert low <= total <= high, (name, rank, sent, theory)
-        # Both pad each parameter's dim 0 to a multiple of the world size: the same all-gathers.
-        assert lite["sent_nbytes"][0]["all_gather"] == fsdp2["sent_nbytes"][0]["all_gather"]
+        # Both pad each parameter's dim 0 to a multiple of the world size: the same all-gathers,
+        # and the same reduce-scatters but for the flags.
+        if sends:
+            expected = sum(fsdp2["sent_nbytes"][0].values()) + theory["flags"]
+            assert sum(lite["sent_nbytes"][0].values()) == expected, name
+        else:
+            assert lite["sent_nbytes"][0]["all_gather"] == fsdp2["sent_nbytes"][0]["all_gather"]
         # The same seeded model and batches, and fp32 at 2 ranks: the same loss, bit for bit.
         assert lite["final_loss_rank0"] == fsdp2["final_loss_rank0"], name
 

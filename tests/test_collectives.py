@@ -81,7 +81,7 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     collectives.all_gather_copy_in(sharded_flats, all_gather_input)
     seen["all_gather_input"] = all_gather_input.clone()
     result = collectives.all_gather(all_gather_input, group)
-    seen["all_gather_work_type"] = type(result.work).__name__
+    seen["all_gather_works"] = len(result.works)
     seen["all_gather_output"] = result.all_gather_output.clone()
     padded_unsharded = [torch.full((world_size * n,), float("nan")) for n in shard_numels]
     collectives.all_gather_copy_out(
@@ -92,9 +92,23 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
         collectives.all_gather_per_param(s, group) for s in sharded_flats
     ]
     async_result = collectives.all_gather(all_gather_input, group, async_op=True)
-    seen["async_all_gather_work_type"] = type(async_result.work).__name__
-    async_result.work.wait()
+    seen["async_all_gather_works"] = len(async_result.works)
+    async_result.wait()
     seen["async_all_gather_output"] = async_result.all_gather_output.clone()
+    # In place, as units gather: the input is this rank's slot of the output.
+    in_place_input, in_place_output = collectives.all_gather_buffers(
+        unit_shard_numel, group, dtype=torch.float32, device=torch.device("cpu")
+    )
+    in_place_input.copy_(all_gather_input)
+    collectives.all_gather(in_place_input, group, all_gather_output=in_place_output)
+    seen["in_place_all_gather_output"] = in_place_output.clone()
+    # On gloo the above ran as sends (ALL_GATHER_BY_SENDS); now the backend's own all-gather.
+    backends = set(collectives.ALL_GATHER_BY_SENDS)
+    collectives.ALL_GATHER_BY_SENDS.clear()
+    native = collectives.all_gather(all_gather_input, group, async_op=True)
+    seen["native_all_gather_works"] = len(native.works)
+    seen["native_all_gather_output"] = native.wait().clone()
+    collectives.ALL_GATHER_BY_SENDS.update(backends)
 
     # reduce-scatter: copy_in, divide, one flat collective; then the plain version per parameter.
     grads = _unsharded_grads(rank)
@@ -105,16 +119,15 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     async_input = reduce_scatter_input.clone()
     native_input = reduce_scatter_input.clone()
     result = collectives.reduce_scatter(reduce_scatter_input, group)
-    seen["reduce_scatter_work_type"] = type(result.work).__name__
+    seen["reduce_scatter_works"] = len(result.works)
     seen["reduce_scatter_output"] = result.output.clone().div_(post)
     seen["per_param_reduce_scatter"] = [
         collectives.reduce_scatter_per_param(g, group) for g in grads
     ]
     async_result = collectives.reduce_scatter(async_input, group, async_op=True)
     # In flight: one work, or (sends on gloo) one per send and receive.
-    seen["reduce_scatter_by_sends"] = bool(async_result.peer_works)
-    pending = async_result.peer_works[0] if async_result.peer_works else async_result.work
-    seen["async_reduce_scatter_work_type"] = type(pending).__name__
+    seen["reduce_scatter_by_sends"] = async_result.received is not None
+    seen["async_reduce_scatter_works"] = len(async_result.works)
     seen["async_reduce_scatter_output"] = async_result.wait().clone().div_(post)
     # On gloo at 2 ranks the above ran as sends (REDUCE_SCATTER_BY_SENDS); now the real one.
     backends = set(collectives.REDUCE_SCATTER_BY_SENDS)
@@ -127,12 +140,12 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     flat_grads = torch.cat([g.reshape(-1) for g in grads]).div_(pre)  # 1D, sum of numels
     async_flat_grads = flat_grads.clone()
     result = collectives.all_reduce(flat_grads, group)
-    seen["all_reduce_work_type"] = type(result.work).__name__
+    seen["all_reduce_works"] = len(result.works)
     seen["all_reduce_in_place"] = result.output is flat_grads
     seen["all_reduce_output"] = flat_grads.clone().div_(post)
     async_result = collectives.all_reduce(async_flat_grads, group, async_op=True)
-    seen["async_all_reduce_work_type"] = type(async_result.work).__name__
-    async_result.work.wait()
+    seen["async_all_reduce_works"] = len(async_result.works)
+    async_result.wait()
     seen["async_all_reduce_output"] = async_result.output.clone().div_(post)
 
     # The docstrings' worked examples, extended to 3 ranks the same way.
@@ -209,9 +222,7 @@ def test_all_gather_rebuilds_original_params_with_zero_padding(ranks_seen):
 def test_async_all_gather_returns_work_and_the_same_output_after_wait(ranks_seen):
     world_size, seen = ranks_seen
     for rank, s in enumerate(seen):
-        assert s["async_all_gather_work_type"] != "NoneType", (
-            f"rank {rank}: async all_gather gave no work"
-        )
+        assert s["async_all_gather_works"] > 0, f"rank {rank}: async all_gather gave no work"
         _assert_bitwise(
             s["async_all_gather_output"],
             s["all_gather_output"],
@@ -219,13 +230,21 @@ def test_async_all_gather_returns_work_and_the_same_output_after_wait(ranks_seen
         )
 
 
+def test_gloo_all_gather_by_sends_equals_the_backend_all_gather(ranks_seen):
+    world_size, seen = ranks_seen
+    for rank, s in enumerate(seen):
+        # Sends: one to and one from each peer; the backend's collective: one work.
+        assert s["async_all_gather_works"] == 2 * (world_size - 1), f"rank {rank}: not sends"
+        assert s["native_all_gather_works"] == 1, f"rank {rank}: not the backend's all-gather"
+        for key in ("all_gather_output", "in_place_all_gather_output"):
+            _assert_bitwise(s[key], s["native_all_gather_output"], f"rank {rank}: {key}")
+
+
 def test_synchronous_collectives_return_no_work(ranks_seen):
     world_size, seen = ranks_seen
     for rank, s in enumerate(seen):
-        for key in ("all_gather_work_type", "reduce_scatter_work_type", "all_reduce_work_type"):
-            assert s[key] == "NoneType", (
-                f"rank {rank}: {key} is {s[key]}, expected None for async_op=False"
-            )
+        for key in ("all_gather_works", "reduce_scatter_works", "all_reduce_works"):
+            assert s[key] == 0, f"rank {rank}: {key} is {s[key]}, expected none for async_op=False"
 
 
 # ---- reduce-scatter -----------------------------------------------------------------------------
@@ -334,7 +353,7 @@ def test_reduce_scatter_output_padding_is_zero(ranks_seen):
 def test_async_reduce_scatter_returns_work_and_the_same_output_after_wait(ranks_seen):
     world_size, seen = ranks_seen
     for rank, s in enumerate(seen):
-        assert s["async_reduce_scatter_work_type"] != "NoneType", (
+        assert s["async_reduce_scatter_works"] > 0, (
             f"rank {rank}: async reduce_scatter gave no work"
         )
         _assert_bitwise(
@@ -381,9 +400,7 @@ def test_all_reduce_gives_every_rank_the_same_sum(ranks_seen):
 def test_async_all_reduce_returns_work_and_the_same_output_after_wait(ranks_seen):
     world_size, seen = ranks_seen
     for rank, s in enumerate(seen):
-        assert s["async_all_reduce_work_type"] != "NoneType", (
-            f"rank {rank}: async all_reduce gave no work"
-        )
+        assert s["async_all_reduce_works"] > 0, f"rank {rank}: async all_reduce gave no work"
         _assert_bitwise(
             s["async_all_reduce_output"],
             s["all_reduce_output"],

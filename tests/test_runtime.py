@@ -39,11 +39,17 @@ def _schedule_rank(rank: int, world_size: int, strategy_name: str, prefetch_name
     for r in trace.records:
         per_unit.setdefault((r.kind, r.phase, r.unit), 0)
         per_unit[(r.kind, r.phase, r.unit)] += 1
+    backward_gathers = [r for r in trace.records if (r.kind, r.phase) == ("all_gather", "backward")]
+    root_backward = next(s for s in trace.spans if (s.unit, s.phase) == ("", "backward"))
     return {
         "num_units": len(units),
+        "block_names": [u.name for u in units if u.name],
         "counts": counts,
         "per_unit": per_unit,
         "reduce_dtypes": {r.dtype for r in trace.records if r.kind != "all_gather"},
+        "backward_gather_order": [r.unit for r in backward_gathers],
+        "first_backward_gather_before_root_backward": bool(backward_gathers)
+        and backward_gathers[0].start < root_backward.start,
     }
 
 
@@ -61,6 +67,14 @@ def test_full_shard_gathers_once_per_unit_each_way_and_reduce_scatters_once(
     assert ("all_reduce", "backward") not in counts, counts
     assert all(n == 1 for n in result["per_unit"].values()), result["per_unit"]
     assert result["reduce_dtypes"] == {torch.float32}
+
+
+def test_backward_pre_prefetches_the_last_block_from_the_root_before_its_backward(tmp_path):
+    # Note [Backward order]: the root ends its forward last, so it is first in backward and the
+    # last block comes next; its all-gather starts in the root's pre-backward, not blocking later.
+    result = run_ranks(_schedule_rank, 2, tmp_path, args=("FULL_SHARD", "BACKWARD_PRE"))[0]
+    assert result["backward_gather_order"] == sorted(result["block_names"], reverse=True)
+    assert result["first_backward_gather_before_root_backward"]
 
 
 def test_shard_grad_op_never_gathers_in_backward(tmp_path):
