@@ -9,7 +9,9 @@ per-parameter functions at the bottom are the plain versions the flat ones are t
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "all_gather_copy_out",
     "all_gather_per_param",
     "all_reduce",
+    "backend_collectives",
     "grad_divide_factors",
     "reduce_scatter",
     "reduce_scatter_copy_in",
@@ -92,6 +95,22 @@ ALL_GATHER_BY_SENDS: set[str] = {"gloo"}
 # bitwise parity with native FSDP is worth more there.
 REDUCE_SCATTER_BY_SENDS: set[str] = {"gloo"}
 
+
+@contextlib.contextmanager
+def backend_collectives() -> Iterator[None]:
+    """Inside the block every backend runs its own all-gather and reduce-scatter, not sends: to
+    measure or check one against the other."""
+    by_sends = (ALL_GATHER_BY_SENDS, REDUCE_SCATTER_BY_SENDS)
+    saved = [set(backends) for backends in by_sends]
+    for backends in by_sends:
+        backends.clear()
+    try:
+        yield
+    finally:
+        for backends, kept in zip(by_sends, saved):
+            backends.update(kept)
+
+
 # Point-to-point tags, one per kind, so that a gather's messages can never be matched with a
 # reduction's in flight between the same two ranks.
 _ALL_GATHER_TAG = 0x5A1
@@ -143,7 +162,7 @@ def all_gather(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if all_gather_output is None:
         all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
-    if dist.get_backend(group) in ALL_GATHER_BY_SENDS:
+    if _by_sends(ALL_GATHER_BY_SENDS, group, all_gather_output):
         rows = all_gather_output.view(world_size, -1)  # (N, numel): row r is rank r's input
         if not _same_memory(rows[rank], all_gather_input):
             rows[rank].copy_(all_gather_input)
@@ -159,6 +178,11 @@ def all_gather(
     if not async_op:
         result.wait()
     return result
+
+
+def _by_sends(backends: set[str], group: dist.ProcessGroup, buffer: torch.Tensor) -> bool:
+    # Measured for CPU tensors only; gloo's point-to-point takes no others.
+    return buffer.device.type == "cpu" and dist.get_backend(group) in backends
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -229,7 +253,7 @@ def reduce_scatter(
       rank 0 reduce_scatter_output [6, 8]         rank 1 reduce_scatter_output [10, 12]
     """
     world_size = dist.get_world_size(group)
-    if dist.get_backend(group) in REDUCE_SCATTER_BY_SENDS and world_size == 2:
+    if _by_sends(REDUCE_SCATTER_BY_SENDS, group, reduce_scatter_input) and world_size == 2:
         result = _reduce_scatter_by_sends(reduce_scatter_input, group)
         if not async_op:
             result.wait()

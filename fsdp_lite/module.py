@@ -40,6 +40,7 @@ from fsdp_lite.mixed_precision import (
     keep_in_full_precision,
 )
 from fsdp_lite.runtime import StepRuntime
+from fsdp_lite.streams import side_streams
 from fsdp_lite.unit import ShardedUnit, TrainingState
 
 __all__ = ["FullyShardedDataParallel", "FullyShardedModule", "UnitConfig"]
@@ -195,6 +196,9 @@ class FullyShardedModule(nn.Module):
             w._unit.name = _clean_name(name)
         units = [w._unit for _, w in reversed(wrappers)]  # children before parents
         runtime = StepRuntime(units, self._config.backward_prefetch, self._config.forward_prefetch)
+        shared = side_streams(self._unit.compute_device)  # None on CPU
+        for unit in units:
+            unit.streams = shared
         for _, w in wrappers:
             w._runtime = runtime
         return runtime

@@ -34,6 +34,7 @@ from fsdp_lite.api import Rules
 from fsdp_lite.collectives import AllGatherResult, ReduceResult
 from fsdp_lite.mixed_precision import Precision
 from fsdp_lite.param import ShardedParam
+from fsdp_lite.streams import SideStreams
 
 __all__ = ["ShardedState", "ShardedUnit", "TrainingState"]
 
@@ -67,6 +68,7 @@ class ShardedUnit:
     trainable: list[ShardedParam]  # the ones with requires_grad, in the same order
     unit_shard_numel: int  # sum of shard_numel over params: this rank's all_gather_input
     trace: object | None  # a trace.CollectiveTrace while one records, else None
+    streams: SideStreams | None  # on accelerators, set by the root at lazy init (streams.py)
 
     def __init__(
         self,
@@ -94,6 +96,7 @@ class ShardedUnit:
         self.buffer_dtypes: dict[tuple[object, str], torch.dtype] = {}  # (module, name) -> original
         self.is_root = False
         self.trace = None
+        self.streams = None
         self.shard_numels = [p.shard_numel for p in params]
         self.unit_shard_numel = sum(self.shard_numels)
 
@@ -105,6 +108,7 @@ class ShardedUnit:
         self.state = ShardedState.SHARDED if self.uses_unsharded_copy else ShardedState.UNSHARDED
         self.training_state = TrainingState.IDLE
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
+        self._gathering_on_side_stream = False  # that unshard runs on streams.all_gather
         # A reduction in flight, its post-divide factor and the collective's kind (for the trace).
         self._pending_reduce: tuple[ReduceResult, float, str] | None = None
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
@@ -154,21 +158,29 @@ class ShardedUnit:
         if not self.rules.shard_params:
             self._cast_copy()
             return
-        all_gather_input, all_gather_output = collectives.all_gather_buffers(
-            self.unit_shard_numel,
-            self.group,
-            dtype=self.params[0].unsharded_flat.dtype,  # param_dtype: cast once, on 1/N
-            device=self.compute_device,
-        )  # 1D: unit_shard_numel, this rank's slot of N * unit_shard_numel
-        shards = [offload.to_device(p.sharded_flat, self.compute_device) for p in self.params]
-        collectives.all_gather_copy_in(shards, all_gather_input)
-        if not self.rules.reshard_after_backward:
-            self._gathered_versions = self._versions()
-        offload.after_copy_in(self.params, phase)
-        self._record("all_gather", phase, all_gather_input)
-        self._all_gather = collectives.all_gather(
-            all_gather_input, self.group, async_op=async_op, all_gather_output=all_gather_output
-        )
+        # A prefetch runs on the all-gather side stream where there is one; a gather the compute
+        # needs right away stays on the compute stream (Note [Side-stream protocol]).
+        on_side = self.streams is not None and async_op
+        with self.streams.enter(self.streams.all_gather) if on_side else contextlib.nullcontext():
+            all_gather_input, all_gather_output = collectives.all_gather_buffers(
+                self.unit_shard_numel,
+                self.group,
+                dtype=self.params[0].unsharded_flat.dtype,  # param_dtype: cast once, on 1/N
+                device=self.compute_device,
+            )  # 1D: unit_shard_numel, this rank's slot of N * unit_shard_numel
+            shards = [offload.to_device(p.sharded_flat, self.compute_device) for p in self.params]
+            collectives.all_gather_copy_in(shards, all_gather_input)
+            if not self.rules.reshard_after_backward:
+                self._gathered_versions = self._versions()
+            offload.after_copy_in(self.params, phase)
+            self._record("all_gather", phase, all_gather_input)
+            self._all_gather = collectives.all_gather(
+                all_gather_input,
+                self.group,
+                async_op=async_op,
+                all_gather_output=all_gather_output,
+            )
+        self._gathering_on_side_stream = on_side
 
     def wait_for_unshard(self) -> None:
         result, self._all_gather = self._all_gather, None
@@ -192,6 +204,8 @@ class ShardedUnit:
                 self.shard_numels,
                 [p.unsharded_flat for p in self.params],
             )
+        if self._gathering_on_side_stream:
+            self.streams.after_copy_out()
         self._to_unsharded()
 
     def _cast_copy(self) -> None:
@@ -240,6 +254,17 @@ class ShardedUnit:
         if not self.trainable:
             return
         grads = self.unsharded_grads()
+        side = self.streams.reduce if self.streams is not None else None
+        with self.streams.enter(side) if side is not None else contextlib.nullcontext():
+            if side is not None:
+                for g in grads:
+                    if g is not None:  # read on the reduce stream, then dropped below
+                        self.streams.hand_over(g, side)
+            self._pending_reduce = self._start_reduce(grads)
+        self.reduced = True
+
+    def _start_reduce(self, grads: list[torch.Tensor | None]) -> tuple[ReduceResult, float, str]:
+        """Pack, pre-divide and issue this unit's gradient collective; drop autograd's grads."""
         filled = [
             g
             if g is not None
@@ -273,8 +298,7 @@ class ShardedUnit:
             kind = "all_reduce"
             self._record(kind, "backward", flat_grads)
             result = collectives.all_reduce(flat_grads, self.group, async_op=True)
-        self._pending_reduce = (result, post, kind)
-        self.reduced = True
+        return result, post, kind
 
     def finish_reduce(self) -> None:
         """Wait for the reduction and write each parameter's averaged gradient."""

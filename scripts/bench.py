@@ -215,15 +215,8 @@ def _backend_collectives(spec: SystemSpec):
         return
     from fsdp_lite import collectives
 
-    by_sends = (collectives.ALL_GATHER_BY_SENDS, collectives.REDUCE_SCATTER_BY_SENDS)
-    saved = [set(backends) for backends in by_sends]
-    for backends in by_sends:
-        backends.clear()
-    try:
+    with collectives.backend_collectives():
         yield
-    finally:
-        for backends, kept in zip(by_sends, saved):
-            backends.update(kept)
 
 
 # ---- what a rank measures ------------------------------------------------------------------------

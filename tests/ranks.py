@@ -51,6 +51,7 @@ def run_ranks(
     *,
     timeout: float = 120.0,
     args: tuple = (),
+    backend: str = "gloo",
 ) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks, each in its own process.
 
@@ -62,6 +63,7 @@ def run_ranks(
         timeout: seconds for the whole run, process start-up included (the first call of a
             session starts the forkserver and imports torch: about 3 s). Default 120.
         args: extra positional arguments for `fn`; must pickle.
+        backend: the process group's backend; "nccl" for the gpu-marked tests.
 
     Returns:
         fn's return values, indexed by rank.
@@ -88,7 +90,7 @@ def run_ranks(
             recv_conn, send_conn = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, args, init_method, pg_timeout, send_conn),
+                args=(fn, rank, world_size, args, init_method, pg_timeout, send_conn, backend),
                 name=f"rank{rank}",
             )
             proc.start()
@@ -163,6 +165,7 @@ def _rank_main(
     init_method: str,
     pg_timeout: datetime.timedelta,
     conn: Connection,
+    backend: str = "gloo",
 ) -> None:
     """Body of one rank: set up, run fn, report exactly one message on conn."""
     faulthandler.register(_DUMP_STACK_SIGNAL, all_threads=True)
@@ -173,7 +176,7 @@ def _rank_main(
         # Several ranks share 2 cores: more intra-op threads per rank only oversubscribe them.
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=init_method,
             rank=rank,
             world_size=world_size,

@@ -118,3 +118,38 @@ def test_plot_without_matplotlib_says_so_and_writes_nothing(report, tmp_path, mo
     bench.plot(report, str(tmp_path / "bench.png"))
     assert "matplotlib is not installed" in capsys.readouterr().out
     assert not (tmp_path / "bench.png").exists()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bench_collectives_times_both_ways_and_checks_their_bits(world_size):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(world_size),
+            str(ROOT / "scripts" / "bench_collectives.py"),
+            "--numels",
+            "1001",  # odd: every rank's row of the reduce-scatter is 1001 elements
+            "--iters",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "checked" in proc.stdout
+    table = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("1001")]
+    expected = [
+        ("all_gather", "backend"),
+        ("all_gather", "sends"),
+        ("reduce_scatter", "backend"),
+        ("reduce_scatter", "sends"),
+        ("all_reduce", "backend"),
+    ]
+    if world_size != 2:  # reduce-scatter by sends is for 2 ranks only
+        expected.remove(("reduce_scatter", "sends"))
+    assert [(row[2], row[3]) for row in table] == expected

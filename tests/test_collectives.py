@@ -103,12 +103,10 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     collectives.all_gather(in_place_input, group, all_gather_output=in_place_output)
     seen["in_place_all_gather_output"] = in_place_output.clone()
     # On gloo the above ran as sends (ALL_GATHER_BY_SENDS); now the backend's own all-gather.
-    backends = set(collectives.ALL_GATHER_BY_SENDS)
-    collectives.ALL_GATHER_BY_SENDS.clear()
-    native = collectives.all_gather(all_gather_input, group, async_op=True)
-    seen["native_all_gather_works"] = len(native.works)
-    seen["native_all_gather_output"] = native.wait().clone()
-    collectives.ALL_GATHER_BY_SENDS.update(backends)
+    with collectives.backend_collectives():
+        native = collectives.all_gather(all_gather_input, group, async_op=True)
+        seen["native_all_gather_works"] = len(native.works)
+        seen["native_all_gather_output"] = native.wait().clone()
 
     # reduce-scatter: copy_in, divide, one flat collective; then the plain version per parameter.
     grads = _unsharded_grads(rank)
@@ -130,11 +128,9 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     seen["async_reduce_scatter_works"] = len(async_result.works)
     seen["async_reduce_scatter_output"] = async_result.wait().clone().div_(post)
     # On gloo at 2 ranks the above ran as sends (REDUCE_SCATTER_BY_SENDS); now the real one.
-    backends = set(collectives.REDUCE_SCATTER_BY_SENDS)
-    collectives.REDUCE_SCATTER_BY_SENDS.clear()
-    native = collectives.reduce_scatter(native_input, group)
-    seen["native_reduce_scatter_output"] = native.wait().clone().div_(post)
-    collectives.REDUCE_SCATTER_BY_SENDS.update(backends)
+    with collectives.backend_collectives():
+        native = collectives.reduce_scatter(native_input, group)
+        seen["native_reduce_scatter_output"] = native.wait().clone().div_(post)
 
     # all-reduce (NO_SHARD): the divided, concatenated grads, summed in place.
     flat_grads = torch.cat([g.reshape(-1) for g in grads]).div_(pre)  # 1D, sum of numels
