@@ -1,9 +1,11 @@
 """Side-by-side benchmark: fsdp_lite's strategies against a single process, DDP, FSDP1 and FSDP2.
 
 One invocation launches ``--world-size`` gloo ranks once; on them every system trains the same
-seeded GPT-like model on the same per-rank batches, one system after another, each freed before the
-next, in ``--rounds`` rounds (system order reversed in every other round, to spread drift in machine
-load over all systems). For each system and precision it reports the median and IQR of step time
+seeded GPT-like model on the same per-rank batches. By default every system of a precision is built
+at once and they are stepped in turn, a barrier before each step, so that a change in machine load
+falls on all of them alike; ``--sequential`` instead runs one system after another, each freed
+before the next, in ``--rounds`` rounds (order reversed every other round), which holds less in
+memory but lets drift in load skew the ratios (docs/performance.md). For each system and precision it reports the median and IQR of step time
 (forward + backward + AdamW step, slowest rank per step), the ratio to native FSDP2 and to the
 compute floor, the peak memory that torch's MemTracker sees, the bytes of params + grads + optimizer
 state each rank holds against the ideal (single process's bytes / world size), and the bytes each
@@ -12,12 +14,11 @@ size), counted from the c10d ops every system issues, against ZeRO's theory.
 
     python scripts/bench.py [--json out.json] [--plot out.png] [--world-size 2] [--steps 20]
         [--layers 6] [--d-model 384] [--vocab 4096] [--seq-len 128] [--batch 4] [--precision fp32,bf16]
-        [--interleave]
+        [--sequential [--rounds 2]]
 
 The compute floor ("single") runs the unwrapped model with no process group calls on every rank at
 once, each on its own per-rank batch, so it shares the cores as the distributed systems do.
-``--interleave`` builds every system of a precision at once and steps them in turn instead of
-rounds. benchmarks/ runs the same systems as pytest-benchmark cases through ``follow_rank0``.
+benchmarks/ runs the same systems as pytest-benchmark cases through ``follow_rank0``.
 """
 
 from __future__ import annotations
@@ -897,13 +898,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add(
         "--warmup", type=int, default=2, help="untimed steps before each round's timing (default 2)"
     )
-    add("--rounds", type=int, default=2, help="rounds over all systems (default 2)")
     add(
-        "--interleave",
+        "--sequential",
         action="store_true",
-        help="build every system of a precision at once and step them in turn (fairer on a busy "
-        "machine; holds all of them in memory; --rounds is ignored)",
+        help="one system after another, in --rounds rounds, instead of all at once stepped in "
+        "turn (holds one system in memory at a time; drift in machine load skews the ratios)",
     )
+    add("--rounds", type=int, default=2, help="rounds over all systems with --sequential (2)")
+    # The default since the interleaved schedule proved steadier; kept so old commands still run.
+    add("--interleave", action="store_true", help=argparse.SUPPRESS)
     add("--layers", type=int, default=6, help="transformer blocks (default 6)")
     add("--d-model", type=int, default=384, help="model width (default 384)")
     add("--heads", type=int, default=6, help="attention heads (default 6)")
@@ -922,6 +925,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.sequential and args.interleave:
+        parser.error("--sequential and --interleave exclude each other")
+    args.interleave = not args.sequential
     for name in ("world_size", "steps", "rounds", "layers", "d_model", "heads", "vocab"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -929,7 +935,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--world-size must be at least 2")
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
-    if math.ceil(args.steps / args.rounds) < 2:
+    if args.sequential and math.ceil(args.steps / args.rounds) < 2:
         parser.error("need at least 2 timed steps per round: raise --steps or lower --rounds")
     specs, args.left_out = all_systems(args.world_size)
     names = [s.name for s in specs]

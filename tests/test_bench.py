@@ -36,7 +36,10 @@ def run_bench(out: Path, *flags: str) -> dict:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     return run_bench(
-        tmp_path_factory.mktemp("bench") / "bench.json", "--systems", ",".join(SYSTEMS)
+        tmp_path_factory.mktemp("bench") / "bench.json",
+        "--systems",
+        ",".join(SYSTEMS),
+        "--sequential",
     )
 
 
@@ -93,7 +96,7 @@ def test_fsdp_lite_full_shard_sends_zero3_theory_within_padding(report):
 
 def test_interleaved_systems_train_as_they_do_alone(report, tmp_path):
     # All systems live at once and step in turn; none may disturb another's training.
-    interleaved = run_bench(tmp_path / "bench.json", "--interleave", "--systems", ",".join(SYSTEMS))
+    interleaved = run_bench(tmp_path / "bench.json", "--systems", ",".join(SYSTEMS))  # the default
     assert interleaved["config"]["interleaved"] is True
     for alone, together in zip(report["results"], interleaved["results"]):
         assert together["system"] == alone["system"]
