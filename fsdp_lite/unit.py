@@ -109,8 +109,9 @@ class ShardedUnit:
         self.training_state = TrainingState.IDLE
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
         self._gathering_on_side_stream = False  # that unshard runs on streams.all_gather
-        # A reduction in flight, its post-divide factor and the collective's kind (for the trace).
-        self._pending_reduce: tuple[ReduceResult, float, str] | None = None
+        # A reduction in flight, its post-divide factor, the collective's kind (for the trace) and
+        # whether this rank had every gradient.
+        self._pending_reduce: tuple[ReduceResult, float, str, bool] | None = None
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
         # Per-backward bookkeeping, reset by reset_backward().
         self.num_grads_ready = 0
@@ -263,7 +264,9 @@ class ShardedUnit:
             self._pending_reduce = self._start_reduce(grads)
         self.reduced = True
 
-    def _start_reduce(self, grads: list[torch.Tensor | None]) -> tuple[ReduceResult, float, str]:
+    def _start_reduce(
+        self, grads: list[torch.Tensor | None]
+    ) -> tuple[ReduceResult, float, str, bool]:
         """Pack, pre-divide and issue this unit's gradient collective; drop autograd's grads."""
         filled = [
             g
@@ -298,14 +301,14 @@ class ShardedUnit:
             kind = "all_reduce"
             self._record(kind, "backward", flat_grads)
             result = collectives.all_reduce(flat_grads, self.group, async_op=True)
-        return result, post, kind
+        return result, post, kind, all(g is not None for g in grads)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction and write each parameter's averaged gradient."""
         pending, self._pending_reduce = self._pending_reduce, None
         if pending is None:
             return
-        result, post, kind = pending
+        result, post, kind, had_every_grad = pending
         output = result.wait()
         self._record_done(kind)
         if self.replicate_group is not None:
@@ -316,9 +319,12 @@ class ShardedUnit:
         if post != 1.0:
             output.div_(post)
         ranks_with_grad = output[-len(self.trainable) :]  # > 0 where any rank had one
+        # Reading the counts waits for the device; when this rank had every gradient, every
+        # count is at least 1 and the read, a host sync per unit on an accelerator, is skipped.
+        used_counts = [1.0] * len(self.trainable) if had_every_grad else ranks_with_grad.tolist()
         scattered = self.rules.grad_reduce == "reduce_scatter"
         offset = 0
-        for p, used in zip(self.trainable, ranks_with_grad.tolist()):
+        for p, used in zip(self.trainable, used_counts):
             numel = p.shard_numel if scattered else p.numel  # this rank's slice, or all of it
             piece = output[offset : offset + numel]
             if used > 0 and self.rules.shard_params:
