@@ -146,9 +146,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         sync_module_states=kw["sync_module_states"],
         device=device,
         backward_prefetch=kw["backward_prefetch"],
-        forward_prefetch=(
-            device.type == "cpu" if kw["forward_prefetch"] is None else kw["forward_prefetch"]
-        ),
+        forward_prefetch=True if kw["forward_prefetch"] is None else kw["forward_prefetch"],
         ignored_params=frozenset(ignored_params),
         ignored_modules=frozenset(ignored_modules),
         precision=precision,

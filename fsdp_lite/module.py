@@ -68,9 +68,11 @@ class FullyShardedModule(nn.Module):
         device_id: the compute device; the module is moved there first.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         forward_prefetch: start the next unit's all-gather at the start of this unit's forward.
-            Default None: on where waiting for a collective blocks the host (a CPU compute device,
-            gloo), where it hides the forward all-gathers; off on accelerators, whose host runs
-            ahead of the device anyway (as torch FSDP's default False assumes).
+            Default None: on. On CPU, waiting for a collective blocks the host, and the prefetch
+            hides it. On an accelerator, a gather queued on the compute stream waits for every
+            kernel queued before it, so only a prefetch, queued on the all-gather stream before
+            this unit's kernels (streams.py), overlaps this unit's compute. False turns it off,
+            as torch FSDP1's default does.
         limit_all_gathers: accepted; at most one prefetched unit is ever in flight here.
         use_orig_params: accepted either way; parameters are always the original ones, sharded.
         ignored_states: parameters or modules to leave alone (like ``ignored_modules``).
