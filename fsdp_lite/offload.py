@@ -65,10 +65,16 @@ def new_shard(
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``: itself when already there, else a (non-blocking) copy."""
+    """``tensor`` on ``device``: itself when already there, else a copy.
+
+    Only a copy from pinned host memory to the device is non-blocking: the device's kernels that
+    read it are queued after it. A copy to the host blocks, because host code (a cast, the sum
+    of accumulated gradients, the optimizer) reads it next, and a non-blocking one could still be
+    in flight then.
+    """
     if tensor.device == device:
         return tensor
-    return tensor.to(device, non_blocking=tensor.is_pinned() or device.type == "cpu")
+    return tensor.to(device, non_blocking=tensor.is_pinned() and device.type != "cpu")
 
 
 def after_copy_in(params: list[ShardedParam], phase: str) -> None:
