@@ -161,8 +161,8 @@ class ShardedUnit:
             return
         # A prefetch runs on the all-gather side stream where there is one; a gather the compute
         # needs right away stays on the compute stream (Note [Side-stream protocol]).
-        on_side = self.streams is not None and async_op
-        with self.streams.enter(self.streams.all_gather) if on_side else contextlib.nullcontext():
+        side = self.streams.all_gather if self.streams is not None and async_op else None
+        with self._queued_on(side):
             all_gather_input, all_gather_output = collectives.all_gather_buffers(
                 self.unit_shard_numel,
                 self.group,
@@ -181,7 +181,12 @@ class ShardedUnit:
                 async_op=async_op,
                 all_gather_output=all_gather_output,
             )
-        self._gathering_on_side_stream = on_side
+        self._gathering_on_side_stream = side is not None
+
+    def _queued_on(self, side) -> contextlib.AbstractContextManager:
+        """The block's device work queued on side stream ``side`` (after the compute stream's), or
+        in program order where it is None (CPU, or a gather needed at once)."""
+        return self.streams.enter(side) if side is not None else contextlib.nullcontext()
 
     def wait_for_unshard(self) -> None:
         result, self._all_gather = self._all_gather, None
@@ -256,7 +261,7 @@ class ShardedUnit:
             return
         grads = self.unsharded_grads()
         side = self.streams.reduce if self.streams is not None else None
-        with self.streams.enter(side) if side is not None else contextlib.nullcontext():
+        with self._queued_on(side):
             if side is not None:
                 for g in grads:
                     if g is not None:  # read on the reduce stream, then dropped below
