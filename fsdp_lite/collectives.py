@@ -82,15 +82,15 @@ class ReduceResult:
 # Backends whose all-gather is slower than sending the rows directly: there each rank sends its
 # row of the output to every other rank and receives theirs into their rows. The same bytes as a
 # ring all-gather, (N-1)/N of the output, and the same result (it only moves data). Measured on
-# gloo over loopback (docs/performance.md): a 3.5 MB shard, 2 ranks: all-gather 6-9 ms, sends
-# 2.2-2.6 ms; a 1.8 MB shard, 4 ranks: 13-15 ms vs 4.6-6 ms.
+# gloo over loopback (scripts/bench_collectives.py, docs/performance.md): a 3.5 MB shard at 2
+# ranks, all-gather 5.8 ms, sends 3.7 ms; a 1.8 MB shard at 4 ranks, 11.1 ms against 6.0 ms.
 ALL_GATHER_BY_SENDS: set[str] = {"gloo"}
 
 # Backends whose reduce-scatter is slower than sending the rows directly: there, in a group of 2,
 # each rank sends the other's row of its buffer and adds the row it receives. The same bytes as a
 # reduce-scatter, (N-1)/N of the buffer, and the same sum (a + b = b + a, bitwise). Measured on
-# gloo, 2 ranks, loopback (docs/performance.md): 14 MB reduce-scatter 22 ms, all-reduce 10 ms,
-# sends 8 ms. Larger groups keep the backend's reduce-scatter: summing N > 2 rows in another order
+# gloo, 2 ranks, loopback (scripts/bench_collectives.py): 3.5 MB rows, reduce-scatter 12.2 ms,
+# all-reduce of the buffer 8.0 ms, sends 4.8 ms. Larger groups keep the backend's reduce-scatter: summing N > 2 rows in another order
 # than its ring changes low-precision results (1e-3 in bf16 after 3 steps at 3 ranks), and
 # bitwise parity with native FSDP is worth more there.
 REDUCE_SCATTER_BY_SENDS: set[str] = {"gloo"}
