@@ -78,7 +78,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
     strategy = kw["sharding_strategy"] or ShardingStrategy.FULL_SHARD
     _check_type("sharding_strategy", strategy, ShardingStrategy)
     _check_type("cpu_offload", kw["cpu_offload"], CPUOffload)
-    offload_params = _check_offload(kw["cpu_offload"], strategy)
+    offload_params, _ = _check_offload(kw["cpu_offload"], strategy)
     _check_type("mixed_precision", kw["mixed_precision"], MixedPrecision)
     precision = resolve(kw["mixed_precision"])
     if kw["param_init_fn"] is not None and not callable(kw["param_init_fn"]):
@@ -173,7 +173,7 @@ def _apply_overrides(
         )
     _check_type("mixed_precision", mixed_precision, MixedPrecision)
     _check_type("cpu_offload", cpu_offload, CPUOffload)
-    offload_params = _check_offload(cpu_offload, strategy)
+    offload_params, on_disk = _check_offload(cpu_offload, strategy)
     return dataclasses.replace(
         config,
         strategy=strategy,
@@ -181,19 +181,20 @@ def _apply_overrides(
         precision=resolve(mixed_precision),
         storage_device=offload.storage_device(config.device, offload_params),
         # Nested units share the root's directory; a policy can turn disk offload off for one.
-        disk=config.disk if offload_params and cpu_offload.offload_dir is not None else None,
+        disk=config.disk if on_disk else None,
     )
 
 
-def _check_offload(cpu_offload: CPUOffload | None, strategy: ShardingStrategy) -> bool:
+def _check_offload(cpu_offload: CPUOffload | None, strategy: ShardingStrategy) -> tuple[bool, bool]:
+    """(params offloaded, offloaded to disk), once the combination is known to be built."""
     offload_params = cpu_offload is not None and cpu_offload.offload_params
-    disk = offload_params and cpu_offload.offload_dir is not None
-    if disk and not STRATEGY_RULES[strategy].shard_params:
+    on_disk = offload_params and cpu_offload.offload_dir is not None
+    if on_disk and not STRATEGY_RULES[strategy].shard_params:
         raise NotImplementedError(
             "cpu_offload with offload_dir and NO_SHARD is not built: disk offload keeps shards; "
             "use a sharded strategy, or CPUOffload(offload_params=True) without offload_dir"
         )
-    return offload_params
+    return offload_params, on_disk
 
 
 def _hybrid_mesh(groups: tuple | None, device: torch.device) -> DeviceMesh:
@@ -401,6 +402,9 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
         for p in ordered
     ]
     unit = ShardedUnit(params, config.group, config.rules, config.precision, config.replicate_group)
+    for p in params:
+        if p.disk_files is not None:
+            p.disk_files.unit_key = id(unit)  # disk_offload groups and reads ahead by unit
     # Buffers live whole on every rank; under mixed precision they compute in buffer_dtype.
     # The original dtypes are kept so that state dicts can hand them back in full precision.
     unit.buffer_dtypes = {
@@ -445,7 +449,10 @@ def _materialize(
     for param, where in locations.items():
         real = param
         if param.is_meta:
-            if config.rules.shard_params and param.dim() > 0:
+            # Materialized inside its unsharded buffer, which ShardedParam keeps, when that is
+            # in the param's own dtype; under a param_dtype it gets a buffer of that dtype.
+            compute_dtype = config.precision.param_dtype or param.dtype
+            if config.rules.shard_params and param.dim() > 0 and compute_dtype == param.dtype:
                 buffer = torch.empty(
                     padded_numel(param.shape, world_size), dtype=param.dtype, device=config.device
                 )

@@ -100,7 +100,7 @@ class ParamFiles:
         self.store = store
         self.stem = f"{len(store.params):05d}-{re.sub(r'[^A-Za-z0-9_.]', '_', fqn) or 'param'}"
         self.files: dict[str, _MappedFile] = {}  # "param", "grad", "state.<key>" -> file
-        self.unit_key: int | None = None  # which unit copies it in; known after the first forward
+        self.unit_key: int | None = None  # which unit copies it in; set when the unit is built
 
     def new(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed file-backed 1D tensor for ``kind``, replacing any earlier one."""
@@ -199,8 +199,6 @@ class DiskStore:
         time: the order of the previous step, which is this step's order.
         """
         key = (unit_key, phase)
-        for f in files:
-            f.unit_key = unit_key
         if self._last is not None:
             self._next[self._last] = files
         self._last = key

@@ -81,7 +81,7 @@ def after_copy_in(params: list[ShardedParam], phase: str) -> None:
     """The unit's shards are in ``all_gather_input``; on disk, drop them and read the next."""
     files = [p.disk_files for p in params if p.disk_files is not None]
     if files:
-        files[0].store.after_copy_in(id(files[0]), files, phase)
+        files[0].store.after_copy_in(files[0].unit_key, files, phase)
 
 
 def after_grads(params: list[ShardedParam]) -> None:

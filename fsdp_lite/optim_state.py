@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lite.api import OptimStateKeyType, StateDictType
+from fsdp_lite.param import shard_rows
 from fsdp_lite.state_dict import (
     as_shard,
     default_settings,
@@ -208,10 +209,10 @@ def _gather_to_rank0(value: DTensor) -> torch.Tensor | None:
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     device = _group_device(group)
     local = value.to_local()  # (local_rows, *rest)
-    shard_rows = -(-value.shape[0] // world_size)
+    rows = shard_rows(value.shape[0], world_size)
     send = local.to(device).contiguous()  # no copy for a CPU shard on gloo
-    if send.shape[0] != shard_rows:  # a short last shard: gather needs equal sizes, so pad
-        padded = send.new_zeros((shard_rows, *send.shape[1:]))  # (shard_rows, *rest)
+    if send.shape[0] != rows:  # a short last shard: gather needs equal sizes, so pad
+        padded = send.new_zeros((rows, *send.shape[1:]))  # (rows, *rest)
         padded[: send.shape[0]].copy_(send)
         send = padded
     dst = dist.get_global_rank(group, 0)
@@ -220,8 +221,8 @@ def _gather_to_rank0(value: DTensor) -> torch.Tensor | None:
         return None
     out = torch.empty(value.shape, dtype=send.dtype, device=device)
     # Each rank's rows land in place in ``out``; only a short last block goes through a temporary.
-    blocks = [out[r * shard_rows : (r + 1) * shard_rows] for r in range(world_size)]
-    recv = [b if b.shape[0] == shard_rows else torch.empty_like(send) for b in blocks]
+    blocks = [out[r * rows : (r + 1) * rows] for r in range(world_size)]
+    recv = [b if b.shape[0] == rows else torch.empty_like(send) for b in blocks]
     dist.gather(send, recv, dst=dst, group=group)
     for block, received in zip(blocks, recv):
         if received is not block:

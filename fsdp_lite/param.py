@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lite import offload
 
-__all__ = ["ShardedParam", "alloc_storage", "free_storage", "padded_numel"]
+__all__ = ["ShardedParam", "alloc_storage", "free_storage", "padded_numel", "shard_rows"]
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -49,11 +49,14 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def shard_rows(dim0: int, world_size: int) -> int:
+    """Rows of dim 0 in each rank's shard: ceil(dim0 / world_size) (Note [Padding])."""
+    return -(-dim0 // world_size)
+
+
 def padded_numel(shape: torch.Size, world_size: int) -> int:
     """Elements of a parameter's unsharded buffer: dim 0 rounded up to a multiple of world_size."""
-    dim0 = shape[0]
-    row_numel = math.prod(shape[1:])
-    return -(-dim0 // world_size) * world_size * row_numel
+    return shard_rows(shape[0], world_size) * world_size * math.prod(shape[1:])
 
 
 def free_storage(tensor: torch.Tensor) -> None:
@@ -146,7 +149,7 @@ class ShardedParam:
 
         dim0 = self.orig_size[0]
         row_numel = orig_param.numel() // dim0 if dim0 else 0
-        self.shard_rows = -(-dim0 // world_size)
+        self.shard_rows = shard_rows(dim0, world_size)
         self.local_rows = max(0, min(self.shard_rows, dim0 - rank * self.shard_rows))
         self.shard_numel = self.shard_rows * row_numel
         self.padded_numel = self.shard_numel * world_size
@@ -172,15 +175,9 @@ class ShardedParam:
         # Meta init materializes the param inside this buffer already (construct._materialize), so
         # the unit is never allocated twice.
         dtype = compute_dtype or data.dtype
-        reuse = (
-            unsharded_buffer is not None
-            and unsharded_buffer.numel() == self.padded_numel
-            and unsharded_buffer.dtype == dtype
-            and unsharded_buffer.device == compute
-        )
         self.unsharded_flat = (
             unsharded_buffer
-            if reuse
+            if unsharded_buffer is not None
             else torch.empty(self.padded_numel, dtype=dtype, device=compute)
         )
         self.unsharded_param = nn.Parameter(

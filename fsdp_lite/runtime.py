@@ -64,9 +64,7 @@ class StepRuntime:
             unit.wait_for_unshard()
             return
         unit.assert_state(TrainingState.IDLE)
-        if self._recording_order and unit not in self._position:
-            self._position[unit] = len(self.forward_order)
-            self.forward_order.append(unit)
+        self._record_order(self.forward_order, self._position, unit)
         unit.training_state = TrainingState.FORWARD
         unit.unshard("forward")
         unit.wait_for_unshard()
@@ -81,9 +79,7 @@ class StepRuntime:
         unit.assert_state(TrainingState.FORWARD)
         if unit.trace is not None:
             unit.trace.compute(unit, "forward", "end")
-        if self._recording_order and unit not in self._post_position:
-            self._post_position[unit] = len(self.post_forward_order)
-            self.post_forward_order.append(unit)
+        self._record_order(self.post_forward_order, self._post_position, unit)
         grad_enabled = torch.is_grad_enabled()
         # The root's params are needed first thing in backward, so it keeps them (as torch does).
         if not grad_enabled or (unit.rules.reshard_after_forward and not unit.is_root):
@@ -154,6 +150,14 @@ class StepRuntime:
         self._recording_order = False
 
     # ---- prefetch ----------------------------------------------------------------------------
+
+    def _record_order(
+        self, order: list[ShardedUnit], position: dict[ShardedUnit, int], unit: ShardedUnit
+    ) -> None:
+        """On the first step, append ``unit`` to ``order`` the first time it gets there."""
+        if self._recording_order and unit not in position:
+            position[unit] = len(order)
+            order.append(unit)
 
     def _prefetch(self, unit: ShardedUnit, step: int, phase: str) -> None:
         """Start the all-gather of the unit that runs next: the next in forward order (step +1),

@@ -50,6 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from conformance.models import Block, GPTConfig, TinyLM  # noqa: E402
+from fsdp_lite import collectives  # noqa: E402
 from fsdp_lite.demo import storage_nbytes  # noqa: E402
 
 MiB = 1024**2
@@ -200,24 +201,15 @@ def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> f
     cast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if system.autocast else contextlib.nullcontext()
     )
-    with cast, _backend_collectives(system.spec):
-        logits = system.model(inputs)  # (batch, seq_len, vocab_size)
+    # The /collectives variant: every backend runs its own all-gather and reduce-scatter.
+    own = system.spec.backend_collectives
+    with collectives.backend_collectives() if own else contextlib.nullcontext():
+        with cast:
+            logits = system.model(inputs)  # (batch, seq_len, vocab_size)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
     system.optim.step()
     return loss.item()
-
-
-@contextlib.contextmanager
-def _backend_collectives(spec: SystemSpec):
-    """For the /collectives variant: every backend runs its own all-gather and reduce-scatter."""
-    if not spec.backend_collectives:
-        yield
-        return
-    from fsdp_lite import collectives
-
-    with collectives.backend_collectives():
-        yield
 
 
 # ---- what a rank measures ------------------------------------------------------------------------
@@ -543,24 +535,24 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, plan: list) 
                         f"[{i + 1}] {precision}: {len(names)} systems interleaved, "
                         f"{args.steps} steps each ({time.perf_counter() - started:.0f} s elapsed)"
                     )
-        runs = [
-            (r, item)
-            for r in range(args.rounds)
-            for item in (plan if r % 2 == 0 else list(reversed(plan)))
-            if not args.interleave
-        ]
-        for i, (r, (precision, name)) in enumerate(runs):
-            out = run_system(specs[name], precision, args, cfg, measure=(r == 0))
-            everyone = [None] * args.world_size
-            dist.all_gather_object(everyone, out)
-            raw.setdefault((precision, name), []).append(everyone)
-            if rank == 0:
-                step_s = [max(ts) for ts in zip(*(o["seconds"] for o in everyone))]
-                say(
-                    f"[{i + 1}/{len(runs)}] round {r + 1}/{args.rounds} {precision} {name:<26} "
-                    f"median {statistics.median(step_s):.3f} s/step over {len(step_s)} steps "
-                    f"({time.perf_counter() - started:.0f} s elapsed)"
-                )
+        else:
+            runs = [
+                (r, item)
+                for r in range(args.rounds)
+                for item in (plan if r % 2 == 0 else list(reversed(plan)))
+            ]
+            for i, (r, (precision, name)) in enumerate(runs):
+                out = run_system(specs[name], precision, args, cfg, measure=(r == 0))
+                everyone = [None] * args.world_size
+                dist.all_gather_object(everyone, out)
+                raw.setdefault((precision, name), []).append(everyone)
+                if rank == 0:
+                    step_s = [max(ts) for ts in zip(*(o["seconds"] for o in everyone))]
+                    say(
+                        f"[{i + 1}/{len(runs)}] round {r + 1}/{args.rounds} {precision} {name:<26} "
+                        f"median {statistics.median(step_s):.3f} s/step over {len(step_s)} steps "
+                        f"({time.perf_counter() - started:.0f} s elapsed)"
+                    )
         if rank == 0:
             report = summarize(raw, args, cfg, specs)
             say(format_table(report))

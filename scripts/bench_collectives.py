@@ -56,22 +56,26 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     variants = [
-        ("all_gather", "backend", all_gather, True),
-        ("all_gather", "sends", all_gather, False),
-        ("reduce_scatter", "backend", reduce_scatter, True),
-        ("reduce_scatter", "sends", reduce_scatter, False),
-        ("all_reduce", "backend", all_reduce, True),
+        ("all_gather", "backend", all_gather),
+        ("all_gather", "sends", all_gather),
+        ("reduce_scatter", "backend", reduce_scatter),
+        ("reduce_scatter", "sends", reduce_scatter),
+        ("all_reduce", "backend", all_reduce),
     ]
     if world_size != 2:  # fsdp_lite reduce-scatters by sends at 2 ranks only (collectives.py)
         variants = [v for v in variants if v[:2] != ("reduce_scatter", "sends")]
     rows = []
     for numel in (int(n) for n in args.numels.split(",")):
         shard = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-        times: dict[tuple[str, str], list[float]] = {(op, way): [] for op, way, _, _ in variants}
+        times: dict[tuple[str, str], list[float]] = {(op, way): [] for op, way, _ in variants}
         results = {}
         for it in range(args.iters + 2):  # 2 warm-up rounds
-            for op, way, fn, backend in variants:
-                with collectives.backend_collectives() if backend else contextlib.nullcontext():
+            for op, way, fn in variants:
+                with (
+                    collectives.backend_collectives()
+                    if way == "backend"
+                    else contextlib.nullcontext()
+                ):
                     dist.barrier()
                     start = time.perf_counter()
                     out = fn(shard)

@@ -103,15 +103,13 @@ def rank_main(rank: int, args: argparse.Namespace, mode: str, rendezvous: str, o
             | dict(fwd_bwd_peak=fwd_bwd_peak, optim_peak=status["VmHWM"])
             | {k: status[k] for k in ("VmRSS", "RssAnon", "RssFile")}
         )
-        if step == 0:
-            first_peak = status["VmHWM"]
     result = dict(
         rank=rank,
         mode=mode,
         shard_numel=shard_numel,
         sharded_state_bytes=shard_numel * 4 * 4,  # fp32 param, grad, exp_avg, exp_avg_sq
         after_build=after_build,
-        first_step_peak_rss=first_peak,
+        first_step_peak_rss=rows[0]["optim_peak"],  # step 0 never resets the peak
         steps=rows,
     )
     if mode != "memory":

@@ -25,22 +25,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conformance.models import Block, GPTConfig, TinyLM  # noqa: E402
+from conformance.models import Block  # noqa: E402
+from scripts import bench  # noqa: E402
 
-CFG = GPTConfig(
-    vocab_size=4096,
-    seq_len=128,
-    d_model=384,
-    n_heads=6,
-    n_layers=6,
-    d_ff=1536,
-    tie_embeddings=False,
-)
+CFG = bench.model_config(bench.parse_args([]))  # scripts/bench.py's default model
 
 
 def build(kind: str, forward_prefetch: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = TinyLM(CFG)
+    model = bench.build_model(CFG, seed=0)
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
     if kind == "fsdp2":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
@@ -40,7 +39,7 @@ from fsdp_lite import (
     StateDictType,
 )
 from fsdp_lite.collectives import all_gather_objects
-from fsdp_lite.demo import human_bytes
+from fsdp_lite.demo import PROCESS_GROUP_TIMEOUT, build_model, human_bytes, say
 from fsdp_lite.estimate import estimate
 from fsdp_lite.launch import launch_module
 from fsdp_lite.trace import CollectiveTrace, explain, plot_memory, plot_timeline, record_collectives
@@ -50,7 +49,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("NO_SHARD", "SHARD_OPTIM", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 CFG = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)
 BATCH = 4  # sequences per rank per step
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 @dataclasses.dataclass
@@ -182,11 +180,7 @@ def run_rank(jobs: list[Job], out: Path, steps: int, png: bool) -> None:
 
 
 def wrap(job: Job) -> FullyShardedDataParallel:
-    torch.manual_seed(0)  # the same weights on every rank
-    model = TinyLM(CFG)
-    # The tied embedding's N(0, 1) init gives a first loss near 50; GPT-2's std 0.02 starts near
-    # log(vocab_size), as fsdp_lite.demo does.
-    torch.nn.init.normal_(model.tok.weight, std=0.02)
+    model = build_model(CFG, seed=0)  # the same weights on every rank, fsdp_lite.demo's init
     kwargs = {}
     if job.strategy == "HYBRID_SHARD":
         kwargs["device_mesh"] = init_device_mesh(
@@ -272,10 +266,6 @@ def trace_state_dicts(model: FullyShardedDataParallel, out: Path, png: bool) -> 
 def write(path: Path, text: str) -> None:
     path.write_text(text)
     say(f"  wrote {path}")
-
-
-def say(line: str) -> None:
-    print(line, flush=True)
 
 
 # ---- the summary -------------------------------------------------------------------------------

@@ -311,12 +311,13 @@ def test_gloo_reduce_scatter_by_sends_equals_the_real_reduce_scatter(ranks_seen)
     world_size, seen = ranks_seen
     for rank, s in enumerate(seen):
         assert s["reduce_scatter_by_sends"] == (world_size == 2), "sends at 2 ranks only"
-        # At 2 ranks the sends add a + b, which is b + a bitwise; at 3 both ran gloo's own.
-        _assert_bitwise(
-            s["reduce_scatter_output"],
-            s["native_reduce_scatter_output"],
-            f"rank {rank}: sends vs reduce-scatter",
-        )
+        if world_size == 2:  # at 3 both ran gloo's own: nothing to compare
+            # The sends add a + b, which is b + a bitwise.
+            _assert_bitwise(
+                s["reduce_scatter_output"],
+                s["native_reduce_scatter_output"],
+                f"rank {rank}: sends vs reduce-scatter",
+            )
 
 
 def test_reduce_scatter_output_is_this_rank_slice_of_the_average(ranks_seen):

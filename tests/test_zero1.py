@@ -78,13 +78,16 @@ def _zero1_rank(rank: int, world_size: int) -> dict:
     assert trace.count("all_gather") == 0
 
     # Loading a state dict changes the shards without the optimizer: the next forward sees it.
+    # The zeroed shards are gathered first, so stale params would give another output.
     state = zero1.state_dict()
     with torch.no_grad():
         for p in zero1.parameters():
             p.zero_()
+        zero1(x)
     zero1.load_state_dict(state)
-    with torch.no_grad():
+    with record_collectives(zero1) as trace, torch.no_grad():
         assert torch.equal(zero1(x), out), "forward after load_state_dict used stale params"
+    assert trace.count("all_gather") == units, "loaded shards must be gathered again"
 
     return {
         "units": units,
