@@ -8,10 +8,12 @@ branching on the strategy.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,6 +35,7 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "as_ours",
 ]
 
 
@@ -192,3 +195,42 @@ STRATEGY_RULES: dict[ShardingStrategy, Rules] = {
         grad_reduce="all_reduce",
     ),
 }
+
+
+T = TypeVar("T")
+
+# Where torch defines the same enums and configs; their objects are taken by name (as_ours).
+_TORCH_FSDP = "torch.distributed.fsdp"
+
+
+def as_ours(value: Any, ours: type[T], what: str) -> T | None:
+    """``value`` as fsdp_lite's ``ours``: itself, or torch FSDP's object of the same name, mapped.
+
+    Clients (Accelerate, Lightning) build torch's ``ShardingStrategy``, ``MixedPrecision``,
+    ``CPUOffload``, ``StateDictType``, ``*StateDictConfig``...; an enum member maps by its name and
+    a dataclass by its fields, without importing torch's FSDP (the type is known by its name).
+    None stays None.
+
+    Raises:
+        TypeError: anything else, naming both types with their modules.
+    """
+    if value is None or isinstance(value, ours):
+        return value
+    theirs = type(value)
+    if theirs.__name__ == ours.__name__ and theirs.__module__.startswith(_TORCH_FSDP):
+        if issubclass(ours, Enum):
+            return ours[value.name]
+        if dataclasses.is_dataclass(value):
+            known = {f.name for f in dataclasses.fields(ours)}
+            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            unknown = sorted(set(fields) - known)
+            if unknown:
+                raise TypeError(
+                    f"{what}: {theirs.__module__}.{theirs.__qualname__} has fields {unknown} "
+                    f"that {ours.__module__}.{ours.__qualname__} does not know"
+                )
+            return ours(**fields)
+    raise TypeError(
+        f"{what} must be {ours.__module__}.{ours.__qualname__} (or {_TORCH_FSDP}'s "
+        f"{ours.__name__}), got {theirs.__module__}.{theirs.__qualname__}: {value!r}"
+    )

@@ -25,12 +25,14 @@ from fsdp_lite.api import (
     MixedPrecision,
     Rules,
     ShardingStrategy,
+    as_ours,
 )
 from fsdp_lite.mixed_precision import (
     Precision,
     cast_buffers,
     resolve,
 )
+from fsdp_lite.names import WRAPPED_PREFIX, clean_name
 from fsdp_lite.param import ShardedParam, padded_numel
 from fsdp_lite.unit import ShardedUnit
 
@@ -46,6 +48,7 @@ class UnitConfig:
     group: dist.ProcessGroup  # the shard group: parameters are cut into its size
     mesh: DeviceMesh  # 1-D (shard) or, for HYBRID_SHARD, 2-D (replicate, shard)
     replicate_group: dist.ProcessGroup | None  # HYBRID_SHARD: the same shard on other groups
+    cpu_offload: CPUOffload | None
     storage_device: torch.device  # where shards, grads and optimizer state live (offload.py)
     disk: offload.DiskStore | None  # their files under CPUOffload(offload_dir=...); one per rank
     param_init_fn: Callable[[nn.Module], None] | None  # for meta-device modules
@@ -68,32 +71,64 @@ def _check_type(name: str, value: Any, types: type | tuple, allow_none: bool = T
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__}: {value!r}")
 
 
-def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
-    """Check every constructor argument and resolve defaults; no collective runs here."""
+# The constructor arguments, in torch FSDP1's order; module.py passes them all by name.
+ARGUMENTS = (
+    "process_group",
+    "sharding_strategy",
+    "cpu_offload",
+    "auto_wrap_policy",
+    "backward_prefetch",
+    "mixed_precision",
+    "ignored_modules",
+    "param_init_fn",
+    "device_id",
+    "sync_module_states",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "ignored_states",
+    "device_mesh",
+)
+
+
+def _resolve_configs(kw: dict[str, Any]) -> dict[str, Any]:
+    """torch FSDP's enums and configs as fsdp_lite's (api.as_ours); the rest as given."""
+    kw = dict(kw)
+    for name, ours in (
+        ("sharding_strategy", ShardingStrategy),
+        ("cpu_offload", CPUOffload),
+        ("mixed_precision", MixedPrecision),
+        ("backward_prefetch", BackwardPrefetch),
+    ):
+        kw[name] = as_ours(kw[name], ours, name)
+    return kw
+
+
+def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
+    """Check every constructor argument and resolve defaults; no collective runs here.
+
+    ``kw`` holds the ``ARGUMENTS``, already through ``_resolve_configs``.
+    """
     from fsdp_lite.module import FullyShardedModule  # module.py imports this file
 
     _check_type("module", module, nn.Module, allow_none=False)
     if isinstance(module, FullyShardedModule):
         raise ValueError("module is already a FullyShardedModule")
     strategy = kw["sharding_strategy"] or ShardingStrategy.FULL_SHARD
-    _check_type("sharding_strategy", strategy, ShardingStrategy)
-    _check_type("cpu_offload", kw["cpu_offload"], CPUOffload)
     offload_params, _ = _check_offload(kw["cpu_offload"], strategy)
-    _check_type("mixed_precision", kw["mixed_precision"], MixedPrecision)
     precision = resolve(kw["mixed_precision"])
-    if kw["param_init_fn"] is not None and not callable(kw["param_init_fn"]):
-        raise TypeError(f"param_init_fn must be callable, got {type(kw['param_init_fn']).__name__}")
+    _check_init_fn(kw["param_init_fn"])
     policy = kw["auto_wrap_policy"]
-    if policy is not None and not (callable(policy) or isinstance(policy, wrap.Policy)):
+    # torch's ModuleWrapPolicy / CustomPolicy are not ours: auto_wrap takes any _run_policy.
+    is_policy = isinstance(policy, wrap.Policy) or callable(getattr(policy, "_run_policy", None))
+    if policy is not None and not (callable(policy) or is_policy):
         raise TypeError(
             "auto_wrap_policy must be a callable or a Policy (ModuleWrapPolicy, CustomPolicy), "
             f"got {type(policy).__name__}"
         )
-    _check_type("backward_prefetch", kw["backward_prefetch"], BackwardPrefetch)
     for flag in ("sync_module_states", "limit_all_gathers", "use_orig_params"):
         _check_type(flag, kw[flag], bool, allow_none=False)
     _check_type("forward_prefetch", kw["forward_prefetch"], bool)
-
     group, mesh_given = kw["process_group"], kw["device_mesh"]
     hybrid = STRATEGY_RULES[strategy].replicate
     if isinstance(group, tuple):
@@ -140,6 +175,7 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
         group=group,
         mesh=mesh,
         replicate_group=replicate_group,
+        cpu_offload=kw["cpu_offload"],
         storage_device=offload.storage_device(device, offload_params),
         disk=offload.disk_store(kw["cpu_offload"], dist.get_rank()),
         param_init_fn=kw["param_init_fn"],
@@ -153,36 +189,100 @@ def _make_config(module: nn.Module, **kw: Any) -> UnitConfig:
     )
 
 
-def _apply_overrides(
-    config: UnitConfig,
-    sharding_strategy: ShardingStrategy | None,
-    mixed_precision: MixedPrecision | None,
-    cpu_offload: CPUOffload | None,
-) -> UnitConfig:
-    """A nested wrapper's config: the root's, with the strategy and precision it was given.
+def _check_init_fn(param_init_fn: Any) -> None:
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn must be callable, got {type(param_init_fn).__name__}")
 
-    auto-wrap passes the root's values explicitly, so ``mixed_precision=None`` here means a
-    policy asked for full precision (as for BatchNorm), not "unset".
+
+# Per-unit arguments torch FSDP1 takes from a CustomPolicy (each nested FSDP is an instance of its
+# own), and the ones it needs equal on every unit (its HOMOGENEOUS_ATTR_NAMES) or builds only once.
+PER_UNIT = (
+    "sharding_strategy",
+    "mixed_precision",
+    "cpu_offload",
+    "backward_prefetch",
+    "forward_prefetch",
+    "ignored_modules",
+    "ignored_states",
+    "param_init_fn",
+    "sync_module_states",
+)
+SAME_AS_ROOT = {
+    "use_orig_params": (ValueError, "torch FSDP requires one value for all units"),
+    "limit_all_gathers": (ValueError, "torch FSDP requires one value for all units"),
+    "process_group": (NotImplementedError, "units on other process groups are not built"),
+    "device_mesh": (NotImplementedError, "units on other device meshes are not built"),
+    "device_id": (NotImplementedError, "every unit computes on the root's device"),
+    "auto_wrap_policy": (ValueError, "a nested unit does not auto-wrap again"),
+}
+
+
+def _nested_config(
+    config: UnitConfig, module: nn.Module, name: str, overrides: dict[str, Any]
+) -> UnitConfig:
+    """A nested unit's config: the root's, with the per-unit arguments a policy overrode.
+
+    ``overrides`` holds only the arguments whose value differs from the root's; auto-wrap passes
+    the root's explicitly, so ``mixed_precision=None`` here means a policy asked for full
+    precision (as for BatchNorm), not "unset".
+
+    Raises:
+        ValueError, NotImplementedError: an override that cannot apply to one unit,
+            naming the argument and the submodule, before any collective.
     """
-    strategy = sharding_strategy or config.strategy
-    _check_type("sharding_strategy", strategy, ShardingStrategy)
-    if STRATEGY_RULES[strategy].replicate != config.rules.replicate:
-        raise NotImplementedError(
-            f"a unit with {strategy.name} under a root with {config.strategy.name}: mixing hybrid "
-            "and non-hybrid units needs another process group layout (not built)"
+    for arg, (error, why) in SAME_AS_ROOT.items():
+        if arg in overrides:
+            raise error(
+                f"auto_wrap_policy gave submodule {name!r} {arg}={overrides[arg]!r}, unlike the "
+                f"root's: {why}"
+            )
+    kw = _resolve_configs({arg: overrides.get(arg) for arg in PER_UNIT})
+    changes: dict[str, Any] = {}
+    strategy = config.strategy
+    if "sharding_strategy" in overrides:
+        strategy = kw["sharding_strategy"] or config.strategy
+        if STRATEGY_RULES[strategy].replicate != config.rules.replicate:
+            raise NotImplementedError(
+                f"submodule {name!r} with {strategy.name} under a root with "
+                f"{config.strategy.name}: mixing hybrid and non-hybrid units needs another "
+                "process group layout (not built)"
+            )
+        changes.update(strategy=strategy, rules=STRATEGY_RULES[strategy])
+    if "mixed_precision" in overrides:
+        changes["precision"] = resolve(kw["mixed_precision"])
+    if "cpu_offload" in overrides or "sharding_strategy" in overrides:
+        cpu_offload = kw["cpu_offload"] if "cpu_offload" in overrides else config.cpu_offload
+        offload_params, on_disk = _check_offload(cpu_offload, strategy)
+        changes.update(
+            cpu_offload=cpu_offload,
+            storage_device=offload.storage_device(config.device, offload_params),
+            # Nested units share the root's directory; a policy can turn disk offload off for one.
+            disk=config.disk if on_disk else None,
         )
-    _check_type("mixed_precision", mixed_precision, MixedPrecision)
-    _check_type("cpu_offload", cpu_offload, CPUOffload)
-    offload_params, on_disk = _check_offload(cpu_offload, strategy)
-    return dataclasses.replace(
-        config,
-        strategy=strategy,
-        rules=STRATEGY_RULES[strategy],
-        precision=resolve(mixed_precision),
-        storage_device=offload.storage_device(config.device, offload_params),
-        # Nested units share the root's directory; a policy can turn disk offload off for one.
-        disk=config.disk if on_disk else None,
-    )
+    if "backward_prefetch" in overrides:
+        changes["backward_prefetch"] = kw["backward_prefetch"]
+    if "forward_prefetch" in overrides:
+        _check_type("forward_prefetch", kw["forward_prefetch"], bool)
+        changes["forward_prefetch"] = kw["forward_prefetch"] is not False
+    if "param_init_fn" in overrides:
+        _check_init_fn(kw["param_init_fn"])
+        changes["param_init_fn"] = kw["param_init_fn"]
+    if "sync_module_states" in overrides:
+        _check_type("sync_module_states", kw["sync_module_states"], bool, allow_none=False)
+        changes["sync_module_states"] = kw["sync_module_states"]
+    if "ignored_modules" in overrides or "ignored_states" in overrides:
+        # Left out of this unit; its parent takes them (_ignored_by_nested), as in torch FSDP1.
+        mods, params = _resolve_ignored(module, kw["ignored_modules"], kw["ignored_states"])
+        if params - {p for m in mods for p in m.parameters()}:
+            raise NotImplementedError(
+                f"auto_wrap_policy gave submodule {name!r} parameters to ignore: a nested unit "
+                "ignores modules only (the parent unit takes them, as in torch FSDP1)"
+            )
+        changes.update(
+            ignored_modules=config.ignored_modules | mods,
+            ignored_params=config.ignored_params | params,
+        )
+    return dataclasses.replace(config, **changes)
 
 
 def _check_offload(cpu_offload: CPUOffload | None, strategy: ShardingStrategy) -> tuple[bool, bool]:
@@ -345,7 +445,7 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], config: UnitConfig) -> No
 
 def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
     """Collect the parameters this wrapper owns (not nested wrappers', not ignored) and shard them."""
-    from fsdp_lite.module import FullyShardedModule, _clean_name
+    from fsdp_lite.module import FullyShardedModule
 
     locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     names: dict[nn.Parameter, str] = {}
@@ -359,6 +459,10 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
                 orig = p.orig_param_ref()
                 if orig is not None:
                     nested_params[id(orig)] = p
+            # What a nested unit ignores (a policy's override) and this one does not is this
+            # unit's: torch FSDP1's parent takes it too.
+            for sub, sub_path in _ignored_by_nested(m, path, config):
+                stack.append((sub_path, sub))
             continue
         if m in config.ignored_modules:
             continue
@@ -374,7 +478,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
     for param, name in names.items():
         if id(param) in nested_params:
             raise ValueError(
-                f"parameter {_clean_name(name)!r} is shared with a nested unit "
+                f"parameter {clean_name(name)!r} is shared with a nested unit "
                 f"({nested_params[id(param)].fqn!r}); put the modules sharing it in one unit"
             )
     buffers: dict[nn.Parameter, torch.Tensor] = {}  # param -> the unsharded buffer it lives in
@@ -388,7 +492,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
         ShardedParam(
             p,
             locations[p],
-            _clean_name(names[p]),
+            clean_name(names[p]),
             config.mesh,
             rank,
             world_size,
@@ -402,6 +506,8 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
         for p in ordered
     ]
     unit = ShardedUnit(params, config.group, config.rules, config.precision, config.replicate_group)
+    unit.forward_prefetch = config.forward_prefetch
+    unit.backward_prefetch = config.backward_prefetch
     for p in params:
         if p.disk_files is not None:
             p.disk_files.unit_key = id(unit)  # disk_offload groups and reads ahead by unit
@@ -416,6 +522,25 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
     for m in own_modules:
         cast_buffers(m, config.precision.buffer_dtype, skip=(FullyShardedModule,), recurse=False)
     return unit
+
+
+def _ignored_by_nested(
+    wrapper: nn.Module, path: str, config: UnitConfig
+) -> list[tuple[nn.Module, str]]:
+    """The outermost modules that nested ``wrapper`` ignores and ``config`` does not, with their
+    paths (``path`` is the wrapper's)."""
+    extra = wrapper._config.ignored_modules - config.ignored_modules
+    found: list[tuple[nn.Module, str]] = []
+    stack = [(f"{path}{WRAPPED_PREFIX}", wrapper._fsdp_wrapped_module)]
+    while stack:
+        sub_path, sub = stack.pop()
+        if sub in extra:
+            found.append((sub, sub_path))
+            continue
+        for child_name, child in reversed(list(sub._modules.items())):
+            if child is not None and not isinstance(child, type(wrapper)):
+                stack.append((f"{sub_path}{child_name}.", child))
+    return found
 
 
 def _has_meta(modules: list[nn.Module]) -> bool:

@@ -27,26 +27,27 @@ from fsdp_lite.api import (
 )
 from fsdp_lite.construct import (
     UnitConfig,
-    _apply_overrides,
     _broadcast_module_states,
     _build_unit,
     _check_same_model_across_ranks,
     _has_meta,
     _make_config,
     _move_to_device,
+    _nested_config,
+    _resolve_configs,
 )
 from fsdp_lite.mixed_precision import (
     cast_floating,
     keep_in_full_precision,
 )
+from fsdp_lite.names import WRAPPED, WRAPPED_PREFIX, clean_name
+from fsdp_lite.param import ShardedParam
 from fsdp_lite.runtime import StepRuntime
+from fsdp_lite.state_dict import to_rest
 from fsdp_lite.streams import side_streams
 from fsdp_lite.unit import ShardedUnit, TrainingState
 
 __all__ = ["FullyShardedDataParallel", "FullyShardedModule", "UnitConfig"]
-
-WRAPPED = "_fsdp_wrapped_module"  # torch's attribute name, so checkpoints' raw keys look the same
-_PREFIX = WRAPPED + "."
 
 
 class FullyShardedModule(nn.Module):
@@ -100,72 +101,70 @@ class FullyShardedModule(nn.Module):
         use_orig_params: bool = False,
         ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
         device_mesh: DeviceMesh | None = None,
-        _config: UnitConfig | None = None,  # set for wrappers made by auto-wrap: already checked
+        _nesting: _Nesting | None = None,  # set for wrappers made by auto-wrap
     ) -> None:
         super().__init__()
-        if _config is None:
-            _config = _make_config(
-                module,
-                process_group=process_group,
-                sharding_strategy=sharding_strategy,
-                cpu_offload=cpu_offload,
-                auto_wrap_policy=auto_wrap_policy,
-                backward_prefetch=backward_prefetch,
-                mixed_precision=mixed_precision,
-                ignored_modules=ignored_modules,
-                param_init_fn=param_init_fn,
-                device_id=device_id,
-                sync_module_states=sync_module_states,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params,
-                ignored_states=ignored_states,
-                device_mesh=device_mesh,
-            )
-            _move_to_device(module, _config)
-            # Collectives start here; everything above fails locally, before any rank can hang.
-            _check_same_model_across_ranks(module, _config)
-            if sync_module_states and not _has_meta(list(module.modules())):
-                _broadcast_module_states(
-                    module, _config
-                )  # meta modules: per unit, see _materialize
-            if auto_wrap_policy is not None:
-                if mixed_precision is not None:
-                    for m in module.modules():
-                        if isinstance(m, tuple(mixed_precision._module_classes_to_ignore)):
-                            keep_in_full_precision(m)
-                # Nested wrappers get the root's arguments explicitly, so that a policy's
-                # override (e.g. mixed_precision=None for BatchNorm) replaces them.
-                root_kwargs = {
-                    "_config": _config,
-                    "sharding_strategy": _config.strategy,
-                    "mixed_precision": mixed_precision,
-                    "cpu_offload": cpu_offload,
-                }
-                wrap.auto_wrap(
-                    module,
-                    auto_wrap_policy,
-                    FullyShardedModule,
-                    set(_config.ignored_modules),
-                    set(_config.ignored_params),
-                    root_kwargs,
-                )
+        kwargs = {
+            "process_group": process_group,
+            "sharding_strategy": sharding_strategy,
+            "cpu_offload": cpu_offload,
+            "auto_wrap_policy": auto_wrap_policy,
+            "backward_prefetch": backward_prefetch,
+            "mixed_precision": mixed_precision,
+            "ignored_modules": ignored_modules,
+            "param_init_fn": param_init_fn,
+            "device_id": device_id,
+            "sync_module_states": sync_module_states,
+            "forward_prefetch": forward_prefetch,
+            "limit_all_gathers": limit_all_gathers,
+            "use_orig_params": use_orig_params,
+            "ignored_states": ignored_states,
+            "device_mesh": device_mesh,
+        }
+        if _nesting is None:
+            _config = self._init_root(module, _resolve_configs(kwargs))
         else:
-            _config = _apply_overrides(_config, sharding_strategy, mixed_precision, cpu_offload)
+            _config = _nesting.config_for(module, kwargs)
         self._config = _config
         self._runtime = None
         self._is_root: bool | None = None
         self._fsdp_wrapped_module = module
         self._unit = _build_unit(module, _config)
-        for p in self._unit.params:
-            grad_holder = p.unsharded_param if p.unsharded_param is not None else p.sharded_param
-            if p.requires_grad:
-                grad_holder.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._register_grad_hooks(self._unit.params)
         for p in self._unit.params:
             p.point_modules_to(p.sharded_param)
         self._register_state_dict_hook(_strip_wrapper_prefix)
         self._register_load_state_dict_pre_hook(_add_wrapper_prefix)
         self._state_dict_settings = None  # None: FULL_STATE_DICT defaults; see state_dict.py
+
+    def _init_root(self, module: nn.Module, kwargs: dict[str, Any]) -> UnitConfig:
+        """Check the arguments, move and compare the model across ranks, and auto-wrap."""
+        config = _make_config(module, kwargs)
+        _move_to_device(module, config)
+        # Collectives start here; everything above fails locally, before any rank can hang.
+        _check_same_model_across_ranks(module, config)
+        if config.sync_module_states and not _has_meta(list(module.modules())):
+            _broadcast_module_states(module, config)  # meta modules: per unit, see _materialize
+        policy, mixed_precision = kwargs["auto_wrap_policy"], kwargs["mixed_precision"]
+        if policy is None:
+            return config
+        if mixed_precision is not None:
+            for m in module.modules():
+                if isinstance(m, tuple(mixed_precision._module_classes_to_ignore)):
+                    keep_in_full_precision(m)
+        # Nested wrappers get the root's arguments explicitly, so that a policy's override (e.g.
+        # mixed_precision=None for BatchNorm) replaces them; _Nesting tells overrides apart.
+        root_kwargs = {**kwargs, "sharding_strategy": config.strategy}
+        root_kwargs["_nesting"] = _Nesting(config, root_kwargs, module)
+        wrap.auto_wrap(
+            module,
+            policy,
+            FullyShardedModule,
+            set(config.ignored_modules),
+            set(config.ignored_params),
+            root_kwargs,
+        )
+        return config
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -176,12 +175,51 @@ class FullyShardedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         runtime = self._lazy_init()
-        runtime.pre_forward(self._unit)
+        args, kwargs = runtime.pre_forward(self._unit, args, kwargs)
         precision = self._unit.precision
         if precision.cast_forward_inputs or (self._is_root and precision.cast_root_forward_inputs):
             args, kwargs = cast_floating(precision.param_dtype, (args, kwargs))
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return runtime.post_forward(self._unit, output)
+
+    def _register_grad_hooks(self, params: list[ShardedParam]) -> None:
+        """Count each trainable param's gradient where autograd leaves it (runtime.py)."""
+        for p in params:
+            grad_holder = p.unsharded_param if p.unsharded_param is not None else p.sharded_param
+            if p.requires_grad:
+                grad_holder.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        """``nn.Module._apply`` (``to``, ``cpu``, ``cuda``, ``float``, ``double``, ``half``,
+        ``bfloat16``, ``type``, ``to_empty``...) on a wrapped model.
+
+        Shards change dtype in place of the old ones and stay on their device; the optimizer's
+        tensors, the all-gather input and state dicts remain one tensor, so training goes on (in
+        the new dtype), as in torch FSDP2, which overrides ``_apply`` too.
+
+        Raises:
+            RuntimeError: inside forward or backward, or a call that would move shards to another
+                device (or to disk offload in another dtype), before anything changes.
+        """
+        wrappers = self.fsdp_modules(self)
+        for w in wrappers:  # all checked first, so that a refusal leaves the model as it was
+            _check_apply(w._unit, fn)
+        for w in wrappers:
+            to_rest(w)
+        result = super()._apply(fn, recurse)  # nested wrappers take theirs back in their _apply
+        unit = self._unit
+        precision = unit.precision
+        replaced = [p for p in unit.params if p.reset_sharded_param(precision.param_dtype)]
+        self._register_grad_hooks(replaced)
+        unit.after_apply()
+        for (m, name), dtype in list(unit.buffer_dtypes.items()):
+            # Buffers were cast by _apply too: their full-precision dtype follows the call, and
+            # under MixedPrecision.buffer_dtype they compute in that dtype again.
+            unit.buffer_dtypes[(m, name)] = fn(torch.empty(0, dtype=dtype)).dtype
+            buf = m._buffers.get(name)
+            if buf is not None and precision.buffer_dtype is not None and buf.is_floating_point():
+                m._buffers[name] = buf.to(precision.buffer_dtype)
+        return result
 
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         if self._runtime is not None:
@@ -195,9 +233,9 @@ class FullyShardedModule(nn.Module):
         for name, w in wrappers:
             w._is_root = w is self
             w._unit.is_root = w is self
-            w._unit.name = _clean_name(name)
+            w._unit.name = clean_name(name)
         units = [w._unit for _, w in reversed(wrappers)]  # children before parents
-        runtime = StepRuntime(units, self._config.backward_prefetch, self._config.forward_prefetch)
+        runtime = StepRuntime(units)
         shared = side_streams(self._unit.compute_device)  # None on CPU
         for unit in units:
             unit.streams = shared
@@ -316,11 +354,11 @@ class FullyShardedModule(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ):
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield _clean_name(name), param
+            yield clean_name(name), param
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield _clean_name(name), buf
+            yield clean_name(name), buf
 
     def state_dict(
         self, *, destination: dict | None = None, prefix: str = "", keep_vars: bool = False
@@ -354,7 +392,7 @@ class FullyShardedModule(nn.Module):
         try:
             result = super().load_state_dict(state_dict, strict)
         except RuntimeError as e:
-            raise RuntimeError(_clean_name(str(e))) from None
+            raise RuntimeError(clean_name(str(e))) from None
         return impl.clean_load_result(result)
 
     def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
@@ -479,19 +517,15 @@ class FullyShardedModule(nn.Module):
 FullyShardedDataParallel = FullyShardedModule
 
 
-def _clean_name(name: str) -> str:
-    return name.replace(_PREFIX, "").replace(WRAPPED, "")
-
-
 def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata) -> None:
-    inner = prefix + _PREFIX
+    inner = prefix + WRAPPED_PREFIX
     for key in list(state_dict):
         if key.startswith(inner):
             state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
 def _add_wrapper_prefix(state_dict, prefix, *args) -> None:
-    inner = prefix + _PREFIX
+    inner = prefix + WRAPPED_PREFIX
     for key in list(state_dict):
         if key.startswith(prefix) and not key.startswith(inner):
             state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
@@ -571,3 +605,61 @@ def _partial_norm(
     if math.isinf(norm_type):
         return norms.max().to(device)
     return (norms**norm_type).sum().to(device)
+
+
+class _Nesting:
+    """What the root hands the wrappers auto-wrap makes: its config and its own arguments."""
+
+    def __init__(self, config: UnitConfig, root_kwargs: dict[str, Any], root: nn.Module) -> None:
+        self.config = config
+        self.root_kwargs = root_kwargs
+        self.names = {m: name for name, m in root.named_modules()}  # for error messages
+
+    def config_for(self, module: nn.Module, kwargs: dict[str, Any]) -> UnitConfig:
+        """The nested unit's config from the arguments that differ from the root's."""
+        overrides = {
+            k: v
+            for k, v in kwargs.items()
+            if v is not self.root_kwargs[k] and v != self.root_kwargs[k]
+        }
+        if overrides.get("auto_wrap_policy", False) is None:
+            del overrides["auto_wrap_policy"]  # auto-wrap drops the root's policy, as torch does
+        name = self.names.get(module, type(module).__name__)
+        config = _nested_config(self.config, module, name, overrides)
+        if overrides.get("sync_module_states") and not _has_meta(list(module.modules())):
+            _broadcast_module_states(module, config)  # the root did not (meta: per unit)
+        return config
+
+
+def _check_apply(unit: ShardedUnit, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Refuse an ``_apply`` that the unit cannot take, judged by its effect on an empty tensor."""
+    if unit.training_state not in (TrainingState.IDLE,):
+        raise RuntimeError(
+            f"unit {unit.name or '<root>'!r}: .to()/.double()/... (nn.Module._apply) on a wrapped "
+            f"model runs between steps, not in state {unit.training_state.name}"
+        )
+    for p in unit.params[:1]:
+        before = p.sharded_flat
+        after = fn(torch.empty(0, dtype=before.dtype, device=before.device))
+        here = {_device_key(before.device), _device_key(unit.compute_device)}
+        if _device_key(after.device) not in here:
+            raise RuntimeError(
+                f"unit {unit.name or '<root>'!r}: moving a wrapped model's shards from "
+                f"{before.device} to {after.device} is not supported; move the model before "
+                "wrapping it, or pass device_id"
+            )
+        if after.dtype != before.dtype and p.disk_files is not None:
+            raise RuntimeError(
+                f"unit {unit.name or '<root>'!r}: changing the dtype of disk-offloaded shards "
+                f"({before.dtype} -> {after.dtype}) is not supported; change it before wrapping"
+            )
+
+
+def _device_key(device: torch.device) -> tuple[str, int | None]:
+    # "cpu" and "cpu:0" are one device (tensors report "cpu" for both); "cuda" means the current.
+    if device.type == "cpu":
+        return ("cpu", None)
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return (device.type, index)

@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_lite.api import OptimStateKeyType, StateDictType
+from fsdp_lite.api import OptimStateKeyType, StateDictType, as_ours
+from fsdp_lite.names import clean_name
 from fsdp_lite.param import shard_rows
 from fsdp_lite.state_dict import (
     as_shard,
@@ -61,13 +62,11 @@ __all__ = [
 
 def param_names(model: nn.Module) -> dict[nn.Parameter, list[str]]:
     """Every name of each parameter of ``model`` (the first is the canonical one; tied: more)."""
-    from fsdp_lite.module import _clean_name
-
     for w in wrappers_in(model):
         to_rest(w)  # the optimizer holds sharded_param: the module attributes must too
     names: dict[nn.Parameter, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(param, []).append(_clean_name(name))
+        names.setdefault(param, []).append(clean_name(name))
     return names
 
 
@@ -484,10 +483,13 @@ def rekey_optim_state_dict(
     ``model.parameters()``, as in torch FSDP1. As torch, each group's ``params`` comes back
     sorted.
     """
-    if optim_state_key_type not in (OptimStateKeyType.PARAM_NAME, OptimStateKeyType.PARAM_ID):
-        raise ValueError(
-            f"optim_state_key_type must be OptimStateKeyType, got {optim_state_key_type!r}"
-        )
+    try:  # torch FSDP's OptimStateKeyType is taken as ours
+        key_type = as_ours(optim_state_key_type, OptimStateKeyType, "optim_state_key_type")
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    if key_type is None:
+        raise ValueError("optim_state_key_type must be OptimStateKeyType, got None")
+    optim_state_key_type = key_type
     keys = [*optim_state_dict["state"]]
     keys += [k for group in optim_state_dict["param_groups"] for k in group["params"]]
     by_name = [isinstance(k, str) for k in keys]

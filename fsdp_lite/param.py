@@ -198,6 +198,59 @@ class ShardedParam:
             stride=_contiguous_strides(self.orig_size),
         )
 
+    def reset_sharded_param(self, param_dtype: torch.dtype | None) -> bool:
+        """Take back the parameter after ``nn.Module._apply`` (``to``, ``double``, ``to_empty``...).
+
+        ``_apply`` leaves new values (maybe of a new dtype) in the module's parameter, no longer
+        in ``sharded_flat``; they go back into a shard buffer where they belong (the same one
+        when the dtype is unchanged), so that the optimizer's tensor, the all-gather's input and
+        the state dict are one tensor again. Without a ``param_dtype`` the unsharded copy follows
+        the new dtype. Returns whether ``unsharded_param`` is a new tensor (hooks to register).
+        """
+        with torch.no_grad():
+            return self._reset_sharded_param(param_dtype)
+
+    def _reset_sharded_param(self, param_dtype: torch.dtype | None) -> bool:
+        module, attr = self.locations[0]
+        current = module._parameters[attr]
+        if current is not self.sharded_param:  # _apply made a new Parameter (overwrite mode)
+            self.sharded_param = current
+            self.point_modules_to(current)
+        local = current._local_tensor if isinstance(current, DTensor) else current.data
+        if self.is_sharded:
+            if local.dtype != self.sharded_flat.dtype:
+                self.sharded_flat = offload.new_shard(
+                    self.shard_numel,
+                    local.dtype,
+                    self.sharded_flat.device,
+                    self.unsharded_flat.device,
+                )
+            flat = self.sharded_flat[: self.local_numel]
+            if local.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                flat.copy_(local.reshape(-1))
+            # What FSDP2's reset_sharded_param does: the DTensor views the shard buffer again.
+            current._local_tensor = flat.view(self.local_rows, *self.orig_size[1:])
+        else:
+            storage = self.sharded_flat.device
+            if local.device != storage:  # CPU offload keeps the whole param in CPU memory
+                current.data = local.to(storage)
+            self.sharded_flat = current.data.view(-1)
+        dtype = param_dtype or local.dtype
+        if self.unsharded_flat is None or self.unsharded_flat.dtype == dtype:
+            return False
+        old = self.unsharded_param
+        self.unsharded_flat = torch.empty(
+            self.padded_numel, dtype=dtype, device=self.unsharded_flat.device
+        )
+        self.unsharded_param = nn.Parameter(
+            self.unsharded_flat[: self.numel].view(self.orig_size),
+            requires_grad=self.requires_grad,
+        )
+        if old.grad is not None:  # accumulated under no_sync: it follows the dtype too
+            self.unsharded_param.grad = old.grad.to(dtype)
+        free_storage(self.unsharded_flat)
+        return True
+
     def alloc_unsharded(self) -> None:
         alloc_storage(self.unsharded_flat, self.padded_numel * self.unsharded_flat.element_size())
 

@@ -17,13 +17,22 @@ not began. A root, or any parent unit, begins its forward first but ends it last
 in backward; then comes the last child. Reverse pre-forward order would put the parent last, and
 the unit after it in backward (the last block, under a root) would never be prefetched: its
 all-gather would block. Torch FSDP2 prefetches the same way.
+
+Note [Frozen parameters in a unit]: once every trainable parameter of a unit has its gradient,
+autograd may still read the unit's frozen ones: a frozen LayerNorm weight scales the gradient of
+the LayerNorm's input, computed after every gradient of the weights behind it. A unit holding
+frozen unsharded params therefore reduces at the gradient count but frees its unsharded params
+only once the gradients of its forward inputs are in (an identity autograd Function on the
+inputs, as FSDP2's post-backward), or at ``finalize_backward`` when no input needs a gradient.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_lite.api import BackwardPrefetch
 from fsdp_lite.unit import ShardedUnit, TrainingState
@@ -34,15 +43,8 @@ __all__ = ["StepRuntime"]
 class StepRuntime:
     """Per-step scheduling for one root and its units; built at the root's first forward."""
 
-    def __init__(
-        self,
-        units: list[ShardedUnit],
-        backward_prefetch: BackwardPrefetch | None,
-        forward_prefetch: bool,
-    ) -> None:
+    def __init__(self, units: list[ShardedUnit]) -> None:
         self.units = units  # children before parents: the order ranks agree on at finalize
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
         self.forward_order: list[ShardedUnit] = []  # pre_forward order of the first step
         self._position: dict[ShardedUnit, int] = {}  # unit -> index in forward_order, for the hooks
         # post_forward order of the first step; backward needs units in its reverse (Note
@@ -56,22 +58,44 @@ class StepRuntime:
 
     # ---- forward -----------------------------------------------------------------------------
 
-    def pre_forward(self, unit: ShardedUnit) -> None:
+    def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Unshard ``unit`` for its forward (prefetching the next); returns the inputs to use."""
         if unit.training_state == TrainingState.BACKWARD:
             # Activation checkpointing recomputes this unit's forward inside its backward: the
             # params are (or must again be) unsharded; nothing else about the step changes.
             unit.unshard("backward")
             unit.wait_for_unshard()
-            return
+            return args, kwargs
         unit.assert_state(TrainingState.IDLE)
         self._record_order(self.forward_order, self._position, unit)
         unit.training_state = TrainingState.FORWARD
         unit.unshard("forward")
         unit.wait_for_unshard()
-        if self.forward_prefetch:
+        if unit.forward_prefetch:
             self._prefetch(unit, step=+1, phase="forward")
         if unit.trace is not None:
             unit.trace.compute(unit, "forward", "begin")
+        if unit.keeps_frozen_unsharded and torch.is_grad_enabled():
+            args, kwargs = self._hook_input_grads(unit, args, kwargs)
+        return args, kwargs
+
+    def _hook_input_grads(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Route the inputs needing a gradient through ``_InputGradsReady`` (Note [Frozen
+        parameters in a unit])."""
+        flat, spec = tree_flatten((args, kwargs))
+        slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not slots:
+            return args, kwargs
+        done = functools.partial(self._after_input_grads, unit)
+        for i, t in zip(slots, _InputGradsReady.apply(done, *(flat[i] for i in slots))):
+            flat[i] = t
+        unit.input_grads_pending += 1
+        return tree_unflatten(flat, spec)
+
+    def _after_input_grads(self, unit: ShardedUnit) -> None:
+        unit.input_grads_pending -= 1
+        if unit.input_grads_pending == 0 and (unit.ran_post_backward or not unit.trainable):
+            unit.reshard()
 
     def post_forward(self, unit: ShardedUnit, output):
         if unit.training_state == TrainingState.BACKWARD:
@@ -108,7 +132,7 @@ class StepRuntime:
         unit.training_state = TrainingState.BACKWARD
         unit.unshard("backward")
         unit.wait_for_unshard()
-        if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(unit, step=-1, phase="backward")
         if unit.trace is not None:
             unit.trace.compute(unit, "backward", "begin")
@@ -122,7 +146,7 @@ class StepRuntime:
     def post_backward(self, unit: ShardedUnit) -> None:
         if unit.trace is not None:
             unit.trace.compute(unit, "backward", "end")
-        if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch(unit, step=-1, phase="backward")
         if self.sync_grads and unit.trainable:
             # A reduction in flight holds its unit's whole gradient buffer until it lands. The
@@ -132,7 +156,9 @@ class StepRuntime:
                 self._reducing.finish_reduce()
             unit.reduce_grads()
             self._reducing = unit
-        unit.reshard()
+        unit.ran_post_backward = True
+        if unit.input_grads_pending == 0:  # else autograd may still read frozen params (Note
+            unit.reshard()  # [Frozen parameters in a unit]); _after_input_grads reshards
         unit.training_state = TrainingState.IDLE
 
     def finalize_backward(self) -> None:
@@ -176,3 +202,18 @@ class StepRuntime:
                 return  # its backward already ran (BACKWARD_POST from the root, at the end)
             if target.needs_all_gather():
                 target.unshard(phase, async_op=True)
+
+
+class _InputGradsReady(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once autograd has their gradients,
+    that is, after everything in the unit's backward (Note [Frozen parameters in a unit])."""
+
+    @staticmethod
+    def forward(ctx, done, *inputs: torch.Tensor):
+        ctx.done = done
+        return tuple(t.view_as(t) for t in inputs)  # views: autograd refuses to return an input
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.done()
+        return (None, *grads)

@@ -60,7 +60,9 @@ from fsdp_lite.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    as_ours,
 )
+from fsdp_lite.names import clean_name
 from fsdp_lite.param import ShardedParam
 from fsdp_lite.unit import ShardedState, ShardedUnit, TrainingState
 
@@ -198,22 +200,24 @@ def _set_settings(
     state_dict_config: StateDictConfig | None,
     optim_state_dict_config: OptimStateDictConfig | None,
 ) -> StateDictSettings:
-    if not isinstance(state_dict_type, StateDictType):
-        raise TypeError(f"state_dict_type must be StateDictType, got {state_dict_type!r}")
+    # torch FSDP's enum and configs (what Accelerate and Lightning pass) are taken as ours.
+    state_dict_type = as_ours(state_dict_type, StateDictType, "state_dict_type")
+    if state_dict_type is None:
+        raise TypeError("state_dict_type must be StateDictType, got None")
     config_type, optim_config_type = CONFIG_TYPES[state_dict_type]
-    state_dict_config = config_type() if state_dict_config is None else state_dict_config
-    if optim_state_dict_config is None:
-        optim_state_dict_config = optim_config_type()
-    if type(state_dict_config) is not config_type:
-        raise RuntimeError(
-            f"Expected state_dict_config of type {config_type.__name__} for "
-            f"{state_dict_type.name}, got {type(state_dict_config).__name__}"
-        )
-    if type(optim_state_dict_config) is not optim_config_type:
-        raise RuntimeError(
-            f"Expected optim_state_dict_config of type {optim_config_type.__name__} for "
-            f"{state_dict_type.name}, got {type(optim_state_dict_config).__name__}"
-        )
+    state_dict_config = _as_our_config(state_dict_config, "state_dict_config") or config_type()
+    optim_state_dict_config = (
+        _as_our_config(optim_state_dict_config, "optim_state_dict_config") or optim_config_type()
+    )
+    for what, config, expected in (
+        ("state_dict_config", state_dict_config, config_type),
+        ("optim_state_dict_config", optim_state_dict_config, optim_config_type),
+    ):
+        if type(config) is not expected:
+            raise RuntimeError(
+                f"Expected {what} of type {expected.__module__}.{expected.__qualname__} for "
+                f"{state_dict_type.name}, got {type(config).__module__}.{type(config).__qualname__}"
+            )
     previous = None
     for w in wrappers_in(module):
         mine = settings_of(w)
@@ -225,6 +229,17 @@ def _set_settings(
             state_dict_type, state_dict_config, optim_state_dict_config
         )
     return previous
+
+
+# Every config class by name, so that torch FSDP's configs map to ours (api.as_ours).
+_CONFIG_CLASSES = {c.__name__: c for pair in CONFIG_TYPES.values() for c in pair}
+
+
+def _as_our_config(value: Any, what: str) -> Any:
+    """A config as fsdp_lite's class of the same name; unknown classes pass through unchanged
+    (the exact-type check after names them)."""
+    ours = _CONFIG_CLASSES.get(type(value).__name__)
+    return value if value is None or ours is None else as_ours(value, ours, what)
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings | None:
@@ -300,7 +315,9 @@ def _own_keys(wrapper: nn.Module, prefix: str) -> dict[str, ShardedParam]:
         for attr in m._parameters:
             p = by_location.get((id(m), attr))
             if p is not None:
-                keys[f"{prefix}{path}.{attr}" if path else f"{prefix}{attr}"] = p
+                # Clean: wrappers applied after this one (checkpoint_wrapper) drop their prefix
+                # from the keys before this wrapper sees them, as nested wrappers drop theirs.
+                keys[prefix + clean_name(f"{path}.{attr}" if path else attr)] = p
     return keys
 
 
@@ -310,7 +327,7 @@ def _restore_buffer_dtypes(wrapper: nn.Module, state_dict: dict[str, Any], prefi
     for path, m in wrapper._fsdp_wrapped_module.named_modules():
         for name, buf in m._buffers.items():
             dtype = dtypes.get((m, name))
-            key = f"{prefix}{path}.{name}" if path else f"{prefix}{name}"
+            key = prefix + clean_name(f"{path}.{name}" if path else name)
             if buf is not None and dtype is not None and key in state_dict:
                 state_dict[key] = state_dict[key].to(dtype)
 
@@ -457,8 +474,6 @@ def _rows_of_sharded_tensor(value: Any, p: ShardedParam, key: str) -> torch.Tens
 
 def clean_load_result(result: Any) -> Any:
     """Strip ``_fsdp_wrapped_module.`` from the key names nn.Module reports."""
-    from fsdp_lite.module import _clean_name
-
-    result.missing_keys[:] = [_clean_name(k) for k in result.missing_keys]
-    result.unexpected_keys[:] = [_clean_name(k) for k in result.unexpected_keys]
+    result.missing_keys[:] = [clean_name(k) for k in result.missing_keys]
+    result.unexpected_keys[:] = [clean_name(k) for k in result.unexpected_keys]
     return result

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lite import collectives, offload
-from fsdp_lite.api import Rules
+from fsdp_lite.api import BackwardPrefetch, Rules
 from fsdp_lite.collectives import AllGatherResult, ReduceResult
 from fsdp_lite.mixed_precision import Precision
 from fsdp_lite.param import ShardedParam
@@ -69,6 +69,10 @@ class ShardedUnit:
     unit_shard_numel: int  # sum of shard_numel over params: this rank's all_gather_input
     trace: object | None  # a trace.CollectiveTrace while one records, else None
     streams: SideStreams | None  # on accelerators, set by the root at lazy init (streams.py)
+    # When runtime.py starts the next unit's all-gather from this unit's hooks (torch FSDP1 reads
+    # these per unit too); construct.py sets them from the unit's config.
+    forward_prefetch: bool
+    backward_prefetch: BackwardPrefetch | None
 
     def __init__(
         self,
@@ -97,6 +101,8 @@ class ShardedUnit:
         self.is_root = False
         self.trace = None
         self.streams = None
+        self.forward_prefetch = True
+        self.backward_prefetch = BackwardPrefetch.BACKWARD_PRE
         self.shard_numels = [p.shard_numel for p in params]
         self.unit_shard_numel = sum(self.shard_numels)
 
@@ -113,9 +119,18 @@ class ShardedUnit:
         # whether this rank had every gradient.
         self._pending_reduce: tuple[ReduceResult, float, str, bool] | None = None
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
+        # Frozen params whose unsharded copy backward may read after the last gradient is in
+        # (see Note [Frozen parameters in a unit] in runtime.py).
+        self.keeps_frozen_unsharded = (
+            self.uses_unsharded_copy
+            and rules.reshard_after_backward
+            and len(self.trainable) < len(self.params)
+        )
         # Per-backward bookkeeping, reset by reset_backward().
         self.num_grads_ready = 0
         self.ran_pre_backward = False
+        self.ran_post_backward = False
+        self.input_grads_pending = 0  # forwards whose inputs' gradients are not in yet
         self.reduced = False
 
     def __repr__(self) -> str:
@@ -128,6 +143,11 @@ class ShardedUnit:
                 f"unit {self.name or '<root>'!r}: expected training state {names}, "
                 f"got {self.training_state.name}"
             )
+
+    def after_apply(self) -> None:
+        """The shards were taken back after ``nn.Module._apply`` (param.reset_sharded_param):
+        anything kept unsharded is stale (ZeRO-1), and the next forward gathers again."""
+        self._gathered_versions = None
 
     # ---- unshard / reshard -------------------------------------------------------------------
 
@@ -382,6 +402,8 @@ class ShardedUnit:
     def reset_backward(self) -> None:
         self.num_grads_ready = 0
         self.ran_pre_backward = False
+        self.ran_post_backward = False
+        self.input_grads_pending = 0
         self.reduced = False
         self.training_state = TrainingState.IDLE
 

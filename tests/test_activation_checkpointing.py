@@ -11,13 +11,16 @@ import functools
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
     apply_activation_checkpointing,
+    checkpoint_wrapper,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conformance.models import Block
 from fsdp_lite import FullyShardedDataParallel as FSDP
-from fsdp_lite import ShardingStrategy
+from fsdp_lite import ShardingStrategy, StateDictType
 from tests.parity import POLICIES, assert_close, build_model, local, loss_fn, rank_batch, shard_of
 from tests.ranks import run_ranks
 
@@ -104,3 +107,66 @@ def test_activation_checkpointing_lowers_the_activation_peak(tmp_path):
     for rank, peaks in enumerate(run_ranks(_activation_peak_rank, 2, tmp_path, timeout=120)):
         print(f"rank {rank}: activation peak {peaks[False]} B plain, {peaks[True]} B checkpointed")
         assert peaks[True] < 0.7 * peaks[False], peaks
+
+
+# ---- wrappers applied after FSDP leave every state dict as without them ---------------------------
+
+
+def _accelerate_style_ac(fsdp: torch.nn.Module) -> None:
+    """What Accelerate and HF do after wrapping: torch's non-reentrant checkpoint_wrapper per Block."""
+    apply_activation_checkpointing(
+        fsdp,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda m: isinstance(m, Block),
+    )
+
+
+def _state_dicts_rank(rank: int, world_size: int, strategy_name: str) -> None:
+    seen = {}
+    for wrapped_after in (False, True):
+        fsdp = FSDP(
+            build_model("lm"),
+            sharding_strategy=ShardingStrategy[strategy_name],
+            auto_wrap_policy=POLICIES["lm"],
+        )
+        if wrapped_after:
+            _accelerate_style_ac(fsdp)
+            assert any(isinstance(m, CheckpointWrapper) for m in fsdp.modules())
+        optim = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(2):
+            x, y = rank_batch("lm", step, rank, world_size)
+            loss_fn("lm", fsdp(x), y).backward()
+            optim.step()
+            optim.zero_grad()
+        got = {"names": [n for n, _ in fsdp.named_parameters()]}
+        for kind in StateDictType:
+            with FSDP.state_dict_type(fsdp, kind):
+                got[kind.name] = fsdp.state_dict()
+                got[f"optim {kind.name}"] = FSDP.optim_state_dict(fsdp, optim)["state"]
+        with FSDP.summon_full_params(fsdp):
+            got["summoned"] = {n: p.detach().clone() for n, p in fsdp.named_parameters()}
+        seen[wrapped_after] = got
+    plain, wrapped = seen[False], seen[True]
+    assert wrapped["names"] == plain["names"]
+    for what in ("summoned", *(k.name for k in StateDictType)):
+        assert list(wrapped[what]) == list(plain[what]), f"{what}: keys differ"
+        for key, value in wrapped[what].items():
+            want = plain[what][key]
+            assert type(value) is type(want), f"{what} {key}: {type(value).__name__}"
+            assert_close(local(value), local(want), what=f"{what} {key}", rtol=0, atol=0)
+    for kind in StateDictType:
+        what = f"optim {kind.name}"
+        assert list(wrapped[what]) == list(plain[what]), f"{what}: keys differ"
+        for key, state in wrapped[what].items():
+            for name, value in state.items():
+                want = plain[what][key][name]
+                assert_close(local(value), local(want), what=f"{what} {key}", rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy_name", ["FULL_SHARD", "NO_SHARD"])
+def test_checkpoint_wrapper_after_wrapping_leaves_state_dicts_and_names_unchanged(
+    tmp_path, strategy_name
+):
+    run_ranks(_state_dicts_rank, 2, tmp_path, args=(strategy_name,), timeout=120)

@@ -32,7 +32,8 @@ BAD_INPUT = {
     "strategy_as_string": (
         lambda m, g: FSDP(m, sharding_strategy="FULL_SHARD"),
         TypeError,
-        "sharding_strategy must be ShardingStrategy",
+        "sharding_strategy must be fsdp_lite.api.ShardingStrategy (or torch.distributed.fsdp's "
+        "ShardingStrategy), got builtins.str",
     ),
     "hybrid_with_1d_mesh": (
         lambda m, g: FSDP(
@@ -55,7 +56,7 @@ BAD_INPUT = {
     "cpu_offload_wrong_type": (
         lambda m, g: FSDP(m, cpu_offload=True),
         TypeError,
-        "cpu_offload must be CPUOffload",
+        "cpu_offload must be fsdp_lite.api.CPUOffload",
     ),
     "mixed_precision_integer_dtype": (
         lambda m, g: FSDP(m, mixed_precision=MixedPrecision(param_dtype=torch.int32)),
@@ -75,7 +76,7 @@ BAD_INPUT = {
     "prefetch_as_string": (
         lambda m, g: FSDP(m, backward_prefetch="pre"),
         TypeError,
-        "backward_prefetch must be BackwardPrefetch",
+        "backward_prefetch must be fsdp_lite.api.BackwardPrefetch",
     ),
     "ignored_module_not_submodule": (
         lambda m, g: FSDP(m, ignored_modules=[nn.Linear(2, 2)]),

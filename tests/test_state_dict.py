@@ -89,7 +89,9 @@ def _check_settings(rank, world_size, tmp):
         assert FSDP.get_state_dict_type(model).state_dict_type == LOCAL
     assert FSDP.get_state_dict_type(model).state_dict_type == SHARDED, "context did not restore"
     with pytest.raises(
-        RuntimeError, match="Expected state_dict_config of type FullStateDictConfig"
+        RuntimeError,
+        match="Expected state_dict_config of type fsdp_lite.api.FullStateDictConfig for "
+        "FULL_STATE_DICT, got fsdp_lite.api.LocalStateDictConfig",
     ):
         FSDP.set_state_dict_type(model, FULL, LocalStateDictConfig())
     # A plain module around the root: the settings reach every wrapper inside it.
