@@ -86,9 +86,14 @@ class Feature:
     # Training loop (the references do the same):
     micro_batches: int = 1  # > 1: all but the last backward run under no_sync()
     clip_grad_norm: float | None = None  # clip_grad_norm_(max_norm) between backward and step
-    freeze: bool = False  # freeze the first block and the position embedding before wrapping
+    # Freeze before wrapping: "block" the first block and the position embedding (a whole unit
+    # frozen), "in_unit" the token embedding and the first block's LayerNorm (frozen beside
+    # trainable params in both units).
+    freeze: str | None = None
     # Wrapping only (the references train exactly as in "plain"):
     activation_checkpointing: bool = False
+    checkpoint_after_wrap: bool = False  # torch's checkpoint_wrapper per Block, after wrapping
+    move_mid_training: bool = False  # model.to(this rank's device, with its index) after step 1
     cpu_offload: bool = False
     backward_prefetch: str = "default"  # "default" | "BACKWARD_PRE" | "BACKWARD_POST" | "NONE"
     forward_prefetch: bool = False
@@ -127,7 +132,22 @@ FEATURES = {
         Feature(
             "frozen_params",
             "first block and pos embedding frozen (requires_grad=False)",
-            freeze=True,
+            freeze="block",
+        ),
+        Feature(
+            "frozen_in_unit",
+            "token embedding and first block's LayerNorm frozen, beside trainable params",
+            freeze="in_unit",
+        ),
+        Feature(
+            "checkpoint_after_wrap",
+            "apply_activation_checkpointing(NO_REENTRANT checkpoint_wrapper) after wrapping",
+            checkpoint_after_wrap=True,
+        ),
+        Feature(
+            "move_mid_training",
+            "model.to(torch.device(type, index)) after the first step, as HF Trainer does",
+            move_mid_training=True,
         ),
         Feature("tied_weights", "embedding and output head share one parameter (model lm)"),
     ]

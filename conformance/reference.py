@@ -32,11 +32,15 @@ def prepare_model(
 ) -> nn.Module:
     """Build the case's model on ``device`` with the feature's changes to the module itself."""
     model = model_spec.build(seed)
-    if feature.freeze:
+    if feature.freeze is not None:
         if not isinstance(model, TinyLM):
             raise ValueError(f"feature {feature.name} needs a TinyLM model, not {model_spec.name}")
-        model.blocks[0].requires_grad_(False)  # a whole unit frozen
-        model.pos.requires_grad_(False)  # one frozen parameter in the root unit
+        if feature.freeze == "block":
+            model.blocks[0].requires_grad_(False)  # a whole unit frozen
+            model.pos.requires_grad_(False)  # one frozen parameter in the root unit
+        else:  # "in_unit": autograd reads the LayerNorm weight after the block's last gradient
+            model.tok.weight.requires_grad_(False)
+            model.blocks[0].ln1.requires_grad_(False)
     if feature.activation_checkpointing and for_impl:
         # Only the implementation recomputes; the references keep activations. Same math.
         for m in model.modules():

@@ -17,6 +17,7 @@ ranks may have left it with unmatched collectives.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import time
 import traceback
@@ -26,11 +27,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh
 
 from conformance.adapters.base import Adapter, Unsupported, WrapRequest
 from conformance.compare import StageTally, compare, merge_tallies
 from conformance.matrix import FEATURES, PRECISIONS, Case
+from conformance.models import Block
 from conformance.reference import (
     FRESH_SEED,
     REFERENCES,
@@ -204,6 +211,8 @@ class _CaseRun:
         model = prepare_model(self.spec, self.feature, seed, self.ctx.device, for_impl=True)
         request = self._request(model)
         wrapped = self.adapter.wrap(model, request)
+        if self.feature.checkpoint_after_wrap:
+            checkpoint_blocks(wrapped)
         return ImplTrainer(self.adapter, wrapped, request, self.spec, self.precision)
 
     def _train(self) -> None:
@@ -218,12 +227,15 @@ class _CaseRun:
 
         for step in range(self.steps):
             out.stage = f"step {step + 1}"
+            if step == 1 and self.feature.move_mid_training:
+                impl.model.to(_with_index(ctx.device))  # the device it is on, spelled another way
             batches = micro_batches(case, step, ctx.rank, ctx.world_size)
             train_step(
                 impl,
                 batches,
                 self.feature,
                 self._checker(step + 1, {k: r.steps[step] for k, r in refs.items()}),
+                observe=self._observed(step),
             )
 
         out.stage = "state_dict"
@@ -244,6 +256,15 @@ class _CaseRun:
                 self.steps + 1, {k: r.after_load for k, r in refs.items()}, into="state_dict"
             ),
         )
+
+    def _observed(self, step: int) -> tuple[str, ...]:
+        """The stages read at 0-based ``step`` besides the loss (see train_step)."""
+        if self.feature.move_mid_training and step < 2:
+            # As a loop that never gathers: nothing read from the wrap to the step after the
+            # move but the losses, then the params that step left. A read gathers, and native
+            # FSDP1's summon_full_params re-points its parameters, hiding what the move broke.
+            return () if step == 0 else ("params", "optim_state")
+        return ("grads", "params", "optim_state")
 
     def _checker(self, step: int, expected: dict[str, dict[str, Any]], into: str | None = None):
         """The sink for the implementation's train_step: compare each stage, then sync the ranks."""
@@ -278,6 +299,26 @@ class _CaseRun:
         dist.all_reduce(local, group=self.ctx.group)
         mean = dict(zip(sorted(losses), local / self.ctx.world_size))
         tallies["single"].add(step, compare(mean, expected["single"], tallies["single"].tolerance))
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """What Accelerate and HF Trainer do after wrapping: a non-reentrant checkpoint_wrapper
+    around every transformer block."""
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda m: isinstance(m, Block),
+    )
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``device`` with an explicit index: cpu -> cpu:0 (Trainer's args.device under torchrun)."""
+    if device.index is not None:
+        return device
+    index = torch.cuda.current_device() if device.type == "cuda" else 0
+    return torch.device(device.type, index)
 
 
 def _merge(case: Case, outcomes: list[_Outcome], seconds: float) -> CaseResult:

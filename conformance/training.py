@@ -92,8 +92,19 @@ class Trainer:
         raise NotImplementedError
 
 
-def train_step(trainer: Trainer, micro_batches: list[Batch], feature: Feature, sink: Sink) -> None:
-    """One optimizer step over ``micro_batches``; each stage's full tensors go to ``sink``."""
+def train_step(
+    trainer: Trainer,
+    micro_batches: list[Batch],
+    feature: Feature,
+    sink: Sink,
+    observe: tuple[str, ...] = ("grads", "params", "optim_state"),
+) -> None:
+    """One optimizer step over ``micro_batches``; each stage's full tensors go to ``sink``.
+
+    ``observe`` names the stages read besides the loss. Reading one gathers full tensors (native
+    FSDP1: ``summon_full_params``), which can also repair state the implementation lost, so a
+    step that must show such a loss as a training loop would see it reads less.
+    """
     losses = {}
     for i, batch in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
@@ -104,13 +115,16 @@ def train_step(trainer: Trainer, micro_batches: list[Batch], feature: Feature, s
     norm = None
     if feature.clip_grad_norm is not None:
         norm = full_tensor(trainer.clip_grad_norm_(feature.clip_grad_norm)).detach().float()
-    grads = trainer.grads()
-    if norm is not None:
-        grads[GRAD_NORM_KEY] = norm.reshape(())
-    sink("grads", grads)
+    if "grads" in observe:
+        grads = trainer.grads()
+        if norm is not None:
+            grads[GRAD_NORM_KEY] = norm.reshape(())
+        sink("grads", grads)
     trainer.step()
-    sink("params", trainer.params())
-    sink("optim_state", trainer.optim_state())
+    if "params" in observe:
+        sink("params", trainer.params())
+    if "optim_state" in observe:
+        sink("optim_state", trainer.optim_state())
 
 
 def _optimizer_step(optim: torch.optim.Optimizer, scaler) -> None:

@@ -199,8 +199,9 @@ STRATEGY_RULES: dict[ShardingStrategy, Rules] = {
 
 T = TypeVar("T")
 
-# Where torch defines the same enums and configs; their objects are taken by name (as_ours).
-_TORCH_FSDP = "torch.distributed.fsdp"
+# torch's FSDP defines the same enums and configs; their objects are taken by name (as_ours),
+# recognized as torch's by their top-level package, so that nothing here imports torch's FSDP.
+_TORCH = "torch"
 
 
 def as_ours(value: Any, ours: type[T], what: str) -> T | None:
@@ -217,7 +218,7 @@ def as_ours(value: Any, ours: type[T], what: str) -> T | None:
     if value is None or isinstance(value, ours):
         return value
     theirs = type(value)
-    if theirs.__name__ == ours.__name__ and theirs.__module__.startswith(_TORCH_FSDP):
+    if theirs.__name__ == ours.__name__ and theirs.__module__.split(".")[0] == _TORCH:
         if issubclass(ours, Enum):
             return ours[value.name]
         if dataclasses.is_dataclass(value):
@@ -231,6 +232,6 @@ def as_ours(value: Any, ours: type[T], what: str) -> T | None:
                 )
             return ours(**fields)
     raise TypeError(
-        f"{what} must be {ours.__module__}.{ours.__qualname__} (or {_TORCH_FSDP}'s "
+        f"{what} must be {ours.__module__}.{ours.__qualname__} (or torch FSDP's "
         f"{ours.__name__}), got {theirs.__module__}.{theirs.__qualname__}: {value!r}"
     )

@@ -32,7 +32,7 @@ BAD_INPUT = {
     "strategy_as_string": (
         lambda m, g: FSDP(m, sharding_strategy="FULL_SHARD"),
         TypeError,
-        "sharding_strategy must be fsdp_lite.api.ShardingStrategy (or torch.distributed.fsdp's "
+        "sharding_strategy must be fsdp_lite.api.ShardingStrategy (or torch FSDP's "
         "ShardingStrategy), got builtins.str",
     ),
     "hybrid_with_1d_mesh": (
