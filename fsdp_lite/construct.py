@@ -27,6 +27,7 @@ from fsdp_lite.api import (
     ShardingStrategy,
     as_ours,
 )
+from fsdp_lite.disk_offload import DiskStore, check_offload_dir
 from fsdp_lite.mixed_precision import (
     Precision,
     cast_buffers,
@@ -34,7 +35,7 @@ from fsdp_lite.mixed_precision import (
 )
 from fsdp_lite.names import WRAPPED_PREFIX, clean_name
 from fsdp_lite.param import ShardedParam, padded_numel
-from fsdp_lite.unit import ShardedUnit
+from fsdp_lite.unit import ShardedUnit, owns_unit
 
 __all__ = ["UnitConfig"]
 
@@ -50,7 +51,7 @@ class UnitConfig:
     replicate_group: dist.ProcessGroup | None  # HYBRID_SHARD: the same shard on other groups
     cpu_offload: CPUOffload | None
     storage_device: torch.device  # where shards, grads and optimizer state live (offload.py)
-    disk: offload.DiskStore | None  # their files under CPUOffload(offload_dir=...); one per rank
+    disk: DiskStore | None  # their files under CPUOffload(offload_dir=...); one per rank
     param_init_fn: Callable[[nn.Module], None] | None  # for meta-device modules
     sync_module_states: bool
     device: torch.device
@@ -109,10 +110,8 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
 
     ``kw`` holds the ``ARGUMENTS``, already through ``_resolve_configs``.
     """
-    from fsdp_lite.module import FullyShardedModule  # module.py imports this file
-
     _check_type("module", module, nn.Module, allow_none=False)
-    if isinstance(module, FullyShardedModule):
+    if owns_unit(module):
         raise ValueError("module is already a FullyShardedModule")
     strategy = kw["sharding_strategy"] or ShardingStrategy.FULL_SHARD
     offload_params, _ = _check_offload(kw["cpu_offload"], strategy)
@@ -177,7 +176,7 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
         replicate_group=replicate_group,
         cpu_offload=kw["cpu_offload"],
         storage_device=offload.storage_device(device, offload_params),
-        disk=offload.disk_store(kw["cpu_offload"], dist.get_rank()),
+        disk=_disk_store(kw["cpu_offload"], dist.get_rank()),
         param_init_fn=kw["param_init_fn"],
         sync_module_states=kw["sync_module_states"],
         device=device,
@@ -187,6 +186,15 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
         ignored_modules=frozenset(ignored_modules),
         precision=precision,
     )
+
+
+def _disk_store(cpu_offload: CPUOffload | None, rank: int) -> DiskStore | None:
+    """This rank's files for ``CPUOffload(offload_dir=...)``, or None; checks the directory first."""
+    if cpu_offload is None or cpu_offload.offload_dir is None:
+        return None
+    if not cpu_offload.offload_params:
+        raise ValueError("CPUOffload.offload_dir needs offload_params=True")
+    return DiskStore(check_offload_dir(cpu_offload.offload_dir), rank)
 
 
 def _check_init_fn(param_init_fn: Any) -> None:
@@ -350,8 +358,6 @@ def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> 
 def _resolve_ignored(
     module: nn.Module, ignored_modules: Iterable | None, ignored_states: Iterable | None
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
-    from fsdp_lite.module import FullyShardedModule
-
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError("pass ignored_modules or ignored_states, not both")
     submodules = set(module.modules())
@@ -365,7 +371,7 @@ def _resolve_ignored(
                 raise ValueError(
                     f"ignored module {type(item).__name__} is not a submodule of the wrapped module"
                 )
-            if isinstance(item, FullyShardedModule):
+            if owns_unit(item):
                 raise ValueError("an ignored module cannot be a FullyShardedModule")
             mods.add(item)
         else:
@@ -445,8 +451,6 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], config: UnitConfig) -> No
 
 def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
     """Collect the parameters this wrapper owns (not nested wrappers', not ignored) and shard them."""
-    from fsdp_lite.module import FullyShardedModule
-
     locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     names: dict[nn.Parameter, str] = {}
     nested_params: dict[int, ShardedParam] = {}
@@ -454,7 +458,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
     stack: list[tuple[str, nn.Module]] = [("", module)]
     while stack:
         path, m = stack.pop()
-        if isinstance(m, FullyShardedModule):
+        if owns_unit(m):
             for p in m._unit.params:
                 orig = p.orig_param_ref()
                 if orig is not None:
@@ -506,6 +510,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
         for p in ordered
     ]
     unit = ShardedUnit(params, config.group, config.rules, config.precision, config.replicate_group)
+    unit.ignored_modules = config.ignored_modules  # its parent takes them (_ignored_by_nested)
     unit.forward_prefetch = config.forward_prefetch
     unit.backward_prefetch = config.backward_prefetch
     for p in params:
@@ -520,7 +525,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
         if buf is not None
     }
     for m in own_modules:
-        cast_buffers(m, config.precision.buffer_dtype, skip=(FullyShardedModule,), recurse=False)
+        cast_buffers(m, config.precision.buffer_dtype, skip=(), recurse=False)
     return unit
 
 
@@ -529,7 +534,7 @@ def _ignored_by_nested(
 ) -> list[tuple[nn.Module, str]]:
     """The outermost modules that nested ``wrapper`` ignores and ``config`` does not, with their
     paths (``path`` is the wrapper's)."""
-    extra = wrapper._config.ignored_modules - config.ignored_modules
+    extra = wrapper._unit.ignored_modules - config.ignored_modules
     found: list[tuple[nn.Module, str]] = []
     stack = [(f"{path}{WRAPPED_PREFIX}", wrapper._fsdp_wrapped_module)]
     while stack:
@@ -538,7 +543,7 @@ def _ignored_by_nested(
             found.append((sub, sub_path))
             continue
         for child_name, child in reversed(list(sub._modules.items())):
-            if child is not None and not isinstance(child, type(wrapper)):
+            if child is not None and not owns_unit(child):
                 stack.append((f"{sub_path}{child_name}.", child))
     return found
 

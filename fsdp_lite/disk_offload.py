@@ -46,7 +46,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from fsdp_lite.state_dict import with_local
+from fsdp_lite.param import with_local
 
 __all__ = ["DiskStore", "ParamFiles", "check_offload_dir", "close", "step"]
 

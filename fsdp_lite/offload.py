@@ -11,20 +11,14 @@ devices are the CPU and every copy below is skipped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-
-from fsdp_lite.api import CPUOffload
-
-if TYPE_CHECKING:
-    from fsdp_lite.disk_offload import DiskStore, ParamFiles
-    from fsdp_lite.param import ShardedParam
 
 __all__ = [
     "after_copy_in",
     "after_grads",
-    "disk_store",
     "new_shard",
     "storage_device",
     "to_device",
@@ -36,23 +30,12 @@ def storage_device(compute: torch.device, offload_params: bool) -> torch.device:
     return torch.device("cpu") if offload_params else compute
 
 
-def disk_store(cpu_offload: CPUOffload | None, rank: int) -> DiskStore | None:
-    """This rank's files for ``CPUOffload(offload_dir=...)``, or None; checks the directory first."""
-    if cpu_offload is None or cpu_offload.offload_dir is None:
-        return None
-    from fsdp_lite.disk_offload import DiskStore, check_offload_dir
-
-    if not cpu_offload.offload_params:
-        raise ValueError("CPUOffload.offload_dir needs offload_params=True")
-    return DiskStore(check_offload_dir(cpu_offload.offload_dir), rank)
-
-
 def new_shard(
     numel: int,
     dtype: torch.dtype,
     storage: torch.device,
     compute: torch.device,
-    files: ParamFiles | None = None,
+    files: Any = None,  # a disk_offload.ParamFiles
 ):
     """A zeroed 1D shard buffer on ``storage``; pinned when it is CPU memory feeding a GPU,
     so that copies to the GPU can run asynchronously; a file mapping when ``files`` is given."""
@@ -77,14 +60,17 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=tensor.is_pinned() and device.type != "cpu")
 
 
-def after_copy_in(params: list[ShardedParam], phase: str) -> None:
+# The functions below take a unit's ShardedParams (param.py imports this file, not the reverse).
+
+
+def after_copy_in(params: Sequence[Any], phase: str) -> None:
     """The unit's shards are in ``all_gather_input``; on disk, drop them and read the next."""
     files = [p.disk_files for p in params if p.disk_files is not None]
     if files:
         files[0].store.after_copy_in(files[0].unit_key, files, phase)
 
 
-def after_grads(params: list[ShardedParam]) -> None:
+def after_grads(params: Sequence[Any]) -> None:
     """The unit's grad shards are written; on disk, move them to their files."""
     on_disk = [(p.disk_files, p.sharded_param) for p in params if p.disk_files is not None]
     if on_disk:

@@ -32,13 +32,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lite.api import OptimStateKeyType, StateDictType, as_ours
 from fsdp_lite.names import clean_name
-from fsdp_lite.param import shard_rows
+from fsdp_lite.param import shard_rows, with_local
 from fsdp_lite.state_dict import (
     as_shard,
     default_settings,
     get_state_dict_type,
     to_rest,
-    with_local,
     wrappers_in,
 )
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,7 +37,26 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lite import offload
 
-__all__ = ["ShardedParam", "alloc_storage", "free_storage", "padded_numel", "shard_rows"]
+__all__ = [
+    "ShardedParam",
+    "alloc_storage",
+    "free_storage",
+    "padded_numel",
+    "shard_rows",
+    "with_local",
+]
+
+
+def with_local(like: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor laid out like ``like`` (mesh, placements, global shape) around ``local``."""
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -87,7 +107,7 @@ class ShardedParam:
     shard_numel: int  # shard_rows * row_numel: this rank's piece of the flat buffers
     padded_numel: int  # world_size * shard_numel
     sharded_flat: torch.Tensor  # 1D, shard_numel, fp32; padding rows stay zero
-    disk_files: offload.ParamFiles | None  # its files under CPUOffload(offload_dir=...)
+    disk_files: Any  # a disk_offload.ParamFiles under CPUOffload(offload_dir=...), else None
     sharded_param: nn.Parameter  # DTensor Shard(0) viewing sharded_flat[:local numel]
     unsharded_flat: torch.Tensor | None  # 1D, padded_numel; storage freed while resharded
     unsharded_param: nn.Parameter | None  # full shape, a view of unsharded_flat
@@ -105,7 +125,7 @@ class ShardedParam:
         storage_device: torch.device | None = None,
         compute_device: torch.device | None = None,
         unsharded_buffer: torch.Tensor | None = None,
-        disk: offload.DiskStore | None = None,
+        disk: Any = None,  # a disk_offload.DiskStore (which imports this file)
     ) -> None:
         if shard and orig_param.dim() == 0:
             raise NotImplementedError(

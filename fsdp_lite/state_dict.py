@@ -63,8 +63,8 @@ from fsdp_lite.api import (
     as_ours,
 )
 from fsdp_lite.names import clean_name
-from fsdp_lite.param import ShardedParam
-from fsdp_lite.unit import ShardedState, ShardedUnit, TrainingState
+from fsdp_lite.param import ShardedParam, with_local
+from fsdp_lite.unit import ShardedState, ShardedUnit, TrainingState, unit_owners
 
 __all__ = [
     "after_state_dict",
@@ -77,7 +77,6 @@ __all__ = [
     "settings_of",
     "state_dict_type",
     "to_rest",
-    "with_local",
     "wrappers_in",
 ]
 
@@ -90,9 +89,7 @@ CONFIG_TYPES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDi
 
 
 def wrappers_in(module: nn.Module) -> list[nn.Module]:
-    from fsdp_lite.module import FullyShardedModule  # module.py calls into this file
-
-    return FullyShardedModule.fsdp_modules(module)
+    return unit_owners(module)
 
 
 # ---- settings ------------------------------------------------------------------------------------
@@ -380,18 +377,6 @@ def _to_cpu(state_dict: dict[str, Any], prefix: str) -> None:
     for key, value in state_dict.items():
         if key.startswith(prefix) and torch.is_tensor(value) and not isinstance(value, DTensor):
             state_dict[key] = value.cpu()
-
-
-def with_local(like: DTensor, local: torch.Tensor) -> DTensor:
-    """A DTensor laid out like ``like`` (mesh, placements, global shape) around ``local``."""
-    return DTensor.from_local(
-        local,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
 
 
 # ---- loading -------------------------------------------------------------------------------------

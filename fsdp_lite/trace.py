@@ -38,6 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_lite.unit import unit_owners
+
 __all__ = [
     "MEMORY_CATEGORIES",
     "CollectiveRecord",
@@ -289,9 +291,7 @@ def record_collectives(
     Returns:
         The ``CollectiveTrace`` that fills up while the block runs (read it after).
     """
-    from fsdp_lite.module import FullyShardedModule  # module imports trace's users
-
-    wrappers = FullyShardedModule.fsdp_modules(model)
+    wrappers = unit_owners(model)
     for w in wrappers:
         w._lazy_init()
     trace = CollectiveTrace(
@@ -318,9 +318,7 @@ def explain(model: nn.Module) -> str:
     the padded shard numel every rank sends, and the padding. Run it on any rank; the numbers
     are this rank's.
     """
-    from fsdp_lite.module import FullyShardedModule
-
-    wrappers = FullyShardedModule.fsdp_modules(model)
+    wrappers = unit_owners(model)
     lines = []
     for w in wrappers:
         w._lazy_init()

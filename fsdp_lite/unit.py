@@ -28,6 +28,7 @@ from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from fsdp_lite import collectives, offload
 from fsdp_lite.api import BackwardPrefetch, Rules
@@ -36,12 +37,25 @@ from fsdp_lite.mixed_precision import Precision
 from fsdp_lite.param import ShardedParam
 from fsdp_lite.streams import SideStreams
 
-__all__ = ["ShardedState", "ShardedUnit", "TrainingState"]
+__all__ = ["ShardedState", "ShardedUnit", "TrainingState", "owns_unit", "unit_owners"]
 
 
 def _grad_dtype(p: ShardedParam) -> torch.dtype:
     """The dtype autograd gives this parameter's gradient: that of the copy forward ran on."""
     return (p.unsharded_flat if p.unsharded_flat is not None else p.sharded_flat).dtype
+
+
+def owns_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is a wrapper, of either front: it holds a ``ShardedUnit`` as ``_unit``.
+
+    Files below the fronts find wrappers this way, so that none of them imports a front.
+    """
+    return isinstance(module.__dict__.get("_unit"), ShardedUnit)
+
+
+def unit_owners(module: nn.Module) -> list[nn.Module]:
+    """Every wrapper in ``module``'s tree, ``module`` included, in pre-order."""
+    return [m for m in module.modules() if owns_unit(m)]
 
 
 class ShardedState(Enum):
@@ -103,6 +117,9 @@ class ShardedUnit:
         self.streams = None
         self.forward_prefetch = True
         self.backward_prefetch = BackwardPrefetch.BACKWARD_PRE
+        # Modules this unit leaves out beyond its parent's (a policy's override): the parent
+        # unit takes their params, as in torch FSDP1 (construct._ignored_by_nested).
+        self.ignored_modules: frozenset = frozenset()
         self.shard_numels = [p.shard_numel for p in params]
         self.unit_shard_numel = sum(self.shard_numels)
 
