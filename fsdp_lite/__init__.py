@@ -1,7 +1,7 @@
 """fsdp_lite: fully sharded data parallelism (ZeRO stages) with torch FSDP's API, readable end to end.
 
-Swap it in for torch FSDP by changing one import:
-``from fsdp_lite import FullyShardedDataParallel as FSDP``.
+Swap it in for torch FSDP by changing one import: ``from fsdp_lite import FullyShardedDataParallel
+as FSDP`` (the FSDP1 wrapper) or ``from fsdp_lite import fully_shard, MixedPrecisionPolicy`` (FSDP2).
 """
 
 from fsdp_lite.api import (
@@ -21,11 +21,22 @@ from fsdp_lite.api import (
     StateDictSettings,
     StateDictType,
 )
+from fsdp_lite.fsdp2 import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from fsdp_lite.module import FullyShardedDataParallel, FullyShardedModule
 
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CPUOffloadPolicy",
+    "FSDPModule",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
@@ -33,6 +44,8 @@ __all__ = [
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "ShardedOptimStateDictConfig",
@@ -41,4 +54,7 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
 ]

@@ -33,7 +33,7 @@ from fsdp_lite.mixed_precision import (
     cast_buffers,
     resolve,
 )
-from fsdp_lite.names import WRAPPED_PREFIX, clean_name
+from fsdp_lite.names import clean_name
 from fsdp_lite.param import ShardedParam, padded_numel
 from fsdp_lite.unit import ShardedUnit, owns_unit
 
@@ -536,7 +536,11 @@ def _ignored_by_nested(
     paths (``path`` is the wrapper's)."""
     extra = wrapper._unit.ignored_modules - config.ignored_modules
     found: list[tuple[nn.Module, str]] = []
-    stack = [(f"{path}{WRAPPED_PREFIX}", wrapper._fsdp_wrapped_module)]
+    stack = [
+        (f"{path}{name}.", child)
+        for name, child in reversed(list(wrapper._modules.items()))
+        if child is not None and not owns_unit(child)
+    ]
     while stack:
         sub_path, sub = stack.pop()
         if sub in extra:

@@ -41,10 +41,14 @@ from fsdp_lite.mixed_precision import (
     keep_in_full_precision,
 )
 from fsdp_lite.names import WRAPPED, WRAPPED_PREFIX, clean_name
-from fsdp_lite.param import ShardedParam
-from fsdp_lite.runtime import StepRuntime
+from fsdp_lite.runtime import (
+    StepRuntime,
+    check_apply,
+    lazy_init,
+    register_grad_hooks,
+    take_back_after_apply,
+)
 from fsdp_lite.state_dict import to_rest
-from fsdp_lite.streams import side_streams
 from fsdp_lite.unit import ShardedUnit, TrainingState
 
 __all__ = ["FullyShardedDataParallel", "FullyShardedModule", "UnitConfig"]
@@ -80,8 +84,7 @@ class FullyShardedModule(nn.Module):
         device_mesh: a 1-D mesh to shard over, instead of ``process_group``.
     """
 
-    _unit: ShardedUnit
-    _runtime: StepRuntime | None  # shared with the root; None until the first forward
+    _unit: ShardedUnit  # its runtime (unit.runtime) is shared with the root, from the first forward
 
     def __init__(
         self,
@@ -126,11 +129,9 @@ class FullyShardedModule(nn.Module):
         else:
             _config = _nesting.config_for(module, kwargs)
         self._config = _config
-        self._runtime = None
-        self._is_root: bool | None = None
         self._fsdp_wrapped_module = module
         self._unit = _build_unit(module, _config)
-        self._register_grad_hooks(self._unit.params)
+        register_grad_hooks(self._unit, self._unit.params)
         for p in self._unit.params:
             p.point_modules_to(p.sharded_param)
         self._register_state_dict_hook(_strip_wrapper_prefix)
@@ -177,17 +178,12 @@ class FullyShardedModule(nn.Module):
         runtime = self._lazy_init()
         args, kwargs = runtime.pre_forward(self._unit, args, kwargs)
         precision = self._unit.precision
-        if precision.cast_forward_inputs or (self._is_root and precision.cast_root_forward_inputs):
+        if precision.cast_forward_inputs or (
+            self._unit.is_root and precision.cast_root_forward_inputs
+        ):
             args, kwargs = cast_floating(precision.param_dtype, (args, kwargs))
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return runtime.post_forward(self._unit, output)
-
-    def _register_grad_hooks(self, params: list[ShardedParam]) -> None:
-        """Count each trainable param's gradient where autograd leaves it (runtime.py)."""
-        for p in params:
-            grad_holder = p.unsharded_param if p.unsharded_param is not None else p.sharded_param
-            if p.requires_grad:
-                grad_holder.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
         """``nn.Module._apply`` (``to``, ``cpu``, ``cuda``, ``float``, ``double``, ``half``,
@@ -203,49 +199,20 @@ class FullyShardedModule(nn.Module):
         """
         wrappers = self.fsdp_modules(self)
         for w in wrappers:  # all checked first, so that a refusal leaves the model as it was
-            _check_apply(w._unit, fn)
+            check_apply(w._unit, fn)
         for w in wrappers:
             to_rest(w)
         result = super()._apply(fn, recurse)  # nested wrappers take theirs back in their _apply
-        unit = self._unit
-        precision = unit.precision
-        replaced = [p for p in unit.params if p.reset_sharded_param(precision.param_dtype)]
-        self._register_grad_hooks(replaced)
-        unit.after_apply()
-        for (m, name), dtype in list(unit.buffer_dtypes.items()):
-            # Buffers were cast by _apply too: their full-precision dtype follows the call, and
-            # under MixedPrecision.buffer_dtype they compute in that dtype again.
-            unit.buffer_dtypes[(m, name)] = fn(torch.empty(0, dtype=dtype)).dtype
-            buf = m._buffers.get(name)
-            if buf is not None and precision.buffer_dtype is not None and buf.is_floating_point():
-                m._buffers[name] = buf.to(precision.buffer_dtype)
+        take_back_after_apply(self._unit, fn)
         return result
-
-    def _on_grad_ready(self, _param: torch.Tensor) -> None:
-        if self._runtime is not None:
-            self._runtime.on_grad_ready(self._unit)
 
     def _lazy_init(self) -> StepRuntime:
         """The first wrapper to run becomes the root: it builds the runtime for all below it."""
-        if self._runtime is not None:
-            return self._runtime
-        wrappers = [(n, m) for n, m in self.named_modules() if isinstance(m, FullyShardedModule)]
-        for name, w in wrappers:
-            w._is_root = w is self
-            w._unit.is_root = w is self
-            w._unit.name = clean_name(name)
-        units = [w._unit for _, w in reversed(wrappers)]  # children before parents
-        runtime = StepRuntime(units)
-        shared = side_streams(self._unit.compute_device)  # None on CPU
-        for unit in units:
-            unit.streams = shared
-        for _, w in wrappers:
-            w._runtime = runtime
-        return runtime
+        return lazy_init(self)
 
     def check_is_root(self) -> bool:
         self._lazy_init()
-        return bool(self._is_root)
+        return self._unit.is_root
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedModule]:
@@ -264,13 +231,16 @@ class FullyShardedModule(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Accumulate local gradients without communicating; the first backward after syncs them."""
         runtime = self._lazy_init()
-        if not self._is_root:
+        if not self._unit.is_root:
             raise RuntimeError("no_sync() must be called on the root FullyShardedModule")
-        previous, runtime.sync_grads = runtime.sync_grads, False
+        previous = {unit: unit.requires_gradient_sync for unit in runtime.units}
+        for unit in runtime.units:
+            unit.requires_gradient_sync = False
         try:
             yield
         finally:
-            runtime.sync_grads = previous
+            for unit, flag in previous.items():
+                unit.requires_gradient_sync = flag
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -283,7 +253,7 @@ class FullyShardedModule(nn.Module):
             The total norm before clipping (a scalar tensor).
         """
         self._lazy_init()
-        if not self._is_root:
+        if not self._unit.is_root:
             raise RuntimeError("clip_grad_norm_() must be called on the root FullyShardedModule")
         norm_type = float(norm_type)
         sharded, replicated = [], []
@@ -629,37 +599,3 @@ class _Nesting:
         if overrides.get("sync_module_states") and not _has_meta(list(module.modules())):
             _broadcast_module_states(module, config)  # the root did not (meta: per unit)
         return config
-
-
-def _check_apply(unit: ShardedUnit, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Refuse an ``_apply`` that the unit cannot take, judged by its effect on an empty tensor."""
-    if unit.training_state not in (TrainingState.IDLE,):
-        raise RuntimeError(
-            f"unit {unit.name or '<root>'!r}: .to()/.double()/... (nn.Module._apply) on a wrapped "
-            f"model runs between steps, not in state {unit.training_state.name}"
-        )
-    for p in unit.params[:1]:
-        before = p.sharded_flat
-        after = fn(torch.empty(0, dtype=before.dtype, device=before.device))
-        here = {_device_key(before.device), _device_key(unit.compute_device)}
-        if _device_key(after.device) not in here:
-            raise RuntimeError(
-                f"unit {unit.name or '<root>'!r}: moving a wrapped model's shards from "
-                f"{before.device} to {after.device} is not supported; move the model before "
-                "wrapping it, or pass device_id"
-            )
-        if after.dtype != before.dtype and p.disk_files is not None:
-            raise RuntimeError(
-                f"unit {unit.name or '<root>'!r}: changing the dtype of disk-offloaded shards "
-                f"({before.dtype} -> {after.dtype}) is not supported; change it before wrapping"
-            )
-
-
-def _device_key(device: torch.device) -> tuple[str, int | None]:
-    # "cpu" and "cpu:0" are one device (tensors report "cpu" for both); "cuda" means the current.
-    if device.type == "cpu":
-        return ("cpu", None)
-    index = device.index
-    if index is None and device.type == "cuda":
-        index = torch.cuda.current_device()
-    return (device.type, index)

@@ -1,10 +1,13 @@
 """The schedule of a training step: which unit unshards, reshards and reduces when.
 
-One ``StepRuntime`` serves a root wrapper and all units under it. The wrapper's forward calls
+One ``StepRuntime`` serves a root wrapper and all units under it; ``lazy_init`` builds it when the
+root first runs (root election, unit names, side streams). The wrapper's forward calls
 ``pre_forward`` and ``post_forward``; ``post_forward`` registers ``pre_backward`` on the outputs; the
-grad hooks of each parameter call ``on_grad_ready``, which runs ``post_backward`` once a unit's
-gradients are all in; the autograd engine's final callback runs ``finalize_backward``. The units do
-the work (unit.py); this file only orders it.
+grad hooks ``register_grad_hooks`` puts on each parameter call ``on_grad_ready``, which runs
+``post_backward`` once a unit's gradients are all in; the autograd engine's final callback runs
+``finalize_backward``. ``check_apply`` / ``take_back_after_apply`` keep the hooks and shards right
+across ``nn.Module._apply``. The units do the work (unit.py); this file only orders it, and knows
+no front: a wrapper of either is a module that owns a unit (unit.owns_unit).
 
 Note [Post-backward by gradient count]: a unit reduces as soon as every trainable parameter's
 gradient has been accumulated (``register_post_accumulate_grad_hook`` fires once per backward even
@@ -29,15 +32,112 @@ inputs, as FSDP2's post-backward), or at ``finalize_backward`` when no input nee
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_lite.api import BackwardPrefetch
-from fsdp_lite.unit import ShardedUnit, TrainingState
+from fsdp_lite.names import clean_name
+from fsdp_lite.param import ShardedParam
+from fsdp_lite.streams import side_streams
+from fsdp_lite.unit import ShardedUnit, TrainingState, owns_unit
 
-__all__ = ["StepRuntime"]
+__all__ = [
+    "StepRuntime",
+    "check_apply",
+    "lazy_init",
+    "register_grad_hooks",
+    "take_back_after_apply",
+]
+
+
+def lazy_init(root: nn.Module) -> StepRuntime:
+    """The runtime of ``root``'s unit and every unit under it, built the first time one runs.
+
+    The first wrapper to run is the root: it keeps its params after forward, names the units by
+    their path from it, and shares one runtime and one pair of side streams with all of them.
+    """
+    if root._unit.runtime is not None:
+        return root._unit.runtime
+    owners = [(name, m) for name, m in root.named_modules() if owns_unit(m)]
+    for name, owner in owners:
+        owner._unit.is_root = owner is root
+        owner._unit.name = clean_name(name)
+    units = [owner._unit for _, owner in reversed(owners)]  # children before parents
+    runtime = StepRuntime(units)
+    shared = side_streams(root._unit.compute_device)  # None on CPU
+    for unit in units:
+        unit.streams = shared
+        unit.runtime = runtime
+    return runtime
+
+
+def register_grad_hooks(unit: ShardedUnit, params: Sequence[ShardedParam]) -> None:
+    """Count each trainable param's gradient where autograd leaves it (Note [Post-backward by
+    gradient count]); a hook before the runtime exists does nothing."""
+    for p in params:
+        grad_holder = p.unsharded_param if p.unsharded_param is not None else p.sharded_param
+        if p.requires_grad:
+            grad_holder.register_post_accumulate_grad_hook(functools.partial(_grad_ready, unit))
+
+
+def _grad_ready(unit: ShardedUnit, _param: torch.Tensor) -> None:
+    if unit.runtime is not None:
+        unit.runtime.on_grad_ready(unit)
+
+
+def check_apply(unit: ShardedUnit, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Refuse an ``nn.Module._apply`` the unit cannot take, judged by its effect on an empty
+    tensor, before anything changes."""
+    if unit.training_state != TrainingState.IDLE:
+        raise RuntimeError(
+            f"unit {unit.name or '<root>'!r}: .to()/.double()/... (nn.Module._apply) on a wrapped "
+            f"model runs between steps, not in state {unit.training_state.name}"
+        )
+    for p in unit.params[:1]:
+        before = p.sharded_flat
+        after = fn(torch.empty(0, dtype=before.dtype, device=before.device))
+        here = {_device_key(before.device), _device_key(unit.compute_device)}
+        if _device_key(after.device) not in here:
+            raise RuntimeError(
+                f"unit {unit.name or '<root>'!r}: moving a wrapped model's shards from "
+                f"{before.device} to {after.device} is not supported; move the model before "
+                "wrapping it, or pass device_id"
+            )
+        if after.dtype != before.dtype and p.disk_files is not None:
+            raise RuntimeError(
+                f"unit {unit.name or '<root>'!r}: changing the dtype of disk-offloaded shards "
+                f"({before.dtype} -> {after.dtype}) is not supported; change it before wrapping"
+            )
+
+
+def _device_key(device: torch.device) -> tuple[str, int | None]:
+    # "cpu" and "cpu:0" are one device (tensors report "cpu" for both); "cuda" means the current.
+    if device.type == "cpu":
+        return ("cpu", None)
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return (device.type, index)
+
+
+def take_back_after_apply(unit: ShardedUnit, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """After ``nn.Module._apply`` changed the unit's modules: shards back into their buffers
+    (param.reset_sharded_param), hooks on new unsharded params, buffers in their dtypes."""
+    precision = unit.precision
+    replaced = [p for p in unit.params if p.reset_sharded_param(precision.param_dtype)]
+    register_grad_hooks(unit, replaced)
+    unit.after_apply()
+    for (m, name), dtype in list(unit.buffer_dtypes.items()):
+        # Buffers were cast by _apply too: their full-precision dtype follows the call, and
+        # under MixedPrecision.buffer_dtype they compute in that dtype again.
+        unit.buffer_dtypes[(m, name)] = fn(torch.empty(0, dtype=dtype)).dtype
+        buf = m._buffers.get(name)
+        if buf is not None and precision.buffer_dtype is not None and buf.is_floating_point():
+            m._buffers[name] = buf.to(precision.buffer_dtype)
 
 
 class StepRuntime:
@@ -54,7 +154,6 @@ class StepRuntime:
         self._recording_order = True
         self._callback_queued = False
         self._reducing: ShardedUnit | None = None  # the latest unit whose reduction is in flight
-        self.sync_grads = True  # False inside no_sync(): keep unsharded grads, skip reduction
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -71,7 +170,7 @@ class StepRuntime:
         unit.training_state = TrainingState.FORWARD
         unit.unshard("forward")
         unit.wait_for_unshard()
-        if unit.forward_prefetch:
+        if unit.forward_prefetch or unit.forward_prefetch_units is not None:
             self._prefetch(unit, step=+1, phase="forward")
         if unit.trace is not None:
             unit.trace.compute(unit, "forward", "begin")
@@ -132,7 +231,7 @@ class StepRuntime:
         unit.training_state = TrainingState.BACKWARD
         unit.unshard("backward")
         unit.wait_for_unshard()
-        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE or unit.backward_prefetch_units:
             self._prefetch(unit, step=-1, phase="backward")
         if unit.trace is not None:
             unit.trace.compute(unit, "backward", "begin")
@@ -148,7 +247,7 @@ class StepRuntime:
             unit.trace.compute(unit, "backward", "end")
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch(unit, step=-1, phase="backward")
-        if self.sync_grads and unit.trainable:
+        if unit.requires_gradient_sync and unit.trainable:
             # A reduction in flight holds its unit's whole gradient buffer until it lands. The
             # previous one has had this unit's whole backward to finish: land it before packing
             # this one, so one such buffer is alive at a time, not the whole model's.
@@ -165,7 +264,7 @@ class StepRuntime:
         """End of backward: reduce what the hooks could not, land every gradient, reshard all."""
         for unit in self.units:
             needs_reduce = unit.ran_pre_backward or unit.num_grads_ready > 0
-            if self.sync_grads and needs_reduce and not unit.reduced:
+            if unit.requires_gradient_sync and needs_reduce and not unit.reduced:
                 unit.reduce_grads()
         for unit in self.units:
             unit.finish_reduce()
@@ -187,19 +286,22 @@ class StepRuntime:
 
     def _prefetch(self, unit: ShardedUnit, step: int, phase: str) -> None:
         """Start the all-gather of the unit that runs next: the next in forward order (step +1),
-        or in backward order, the reverse of post-forward order (step -1)."""
-        order, position = (
-            (self.forward_order, self._position)
-            if phase == "forward"
-            else (self.post_forward_order, self._post_position)
-        )
-        if unit not in position:
-            return
-        index = position[unit] + step
-        if 0 <= index < len(order):
-            target = order[index]
+        or in backward order, the reverse of post-forward order (step -1); or of the units set
+        explicitly (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch)."""
+        explicit = unit.forward_prefetch_units if step > 0 else unit.backward_prefetch_units
+        if explicit is not None:
+            targets = explicit
+        else:
+            order, position = (
+                (self.forward_order, self._position)
+                if phase == "forward"
+                else (self.post_forward_order, self._post_position)
+            )
+            index = position[unit] + step if unit in position else -1
+            targets = [order[index]] if 0 <= index < len(order) else []
+        for target in targets:
             if phase == "backward" and target.ran_pre_backward:
-                return  # its backward already ran (BACKWARD_POST from the root, at the end)
+                continue  # its backward already ran (BACKWARD_POST from the root, at the end)
             if target.needs_all_gather():
                 target.unshard(phase, async_op=True)
 

@@ -259,7 +259,7 @@ def unit_nbytes(unit, optim_state) -> dict[str, int]:
     params = unit.params
     pending = [unit._all_gather.all_gather_output] if unit._all_gather is not None else []
     if unit._pending_reduce is not None:
-        result = unit._pending_reduce[0]
+        result = unit._pending_reduce.result
         pending += [result.input, result.output]
     unsharded_grads = [p.unsharded_param.grad for p in params if p.unsharded_param is not None]
     counts = {

@@ -24,6 +24,7 @@ loaded state dict, a manual edit under no_grad) is picked up the same way, with 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -37,7 +38,14 @@ from fsdp_lite.mixed_precision import Precision
 from fsdp_lite.param import ShardedParam
 from fsdp_lite.streams import SideStreams
 
-__all__ = ["ShardedState", "ShardedUnit", "TrainingState", "owns_unit", "unit_owners"]
+__all__ = [
+    "PendingReduce",
+    "ShardedState",
+    "ShardedUnit",
+    "TrainingState",
+    "owns_unit",
+    "unit_owners",
+]
 
 
 def _grad_dtype(p: ShardedParam) -> torch.dtype:
@@ -56,6 +64,20 @@ def owns_unit(module: nn.Module) -> bool:
 def unit_owners(module: nn.Module) -> list[nn.Module]:
     """Every wrapper in ``module``'s tree, ``module`` included, in pre-order."""
     return [m for m in module.modules() if owns_unit(m)]
+
+
+@dataclass
+class PendingReduce:
+    """A unit's gradient reduction in flight, from ``reduce_grads`` until ``finish_reduce``.
+
+    The runtime starts one in a unit's post-backward and lands it in the next unit's (or at the
+    end of backward), so that the collective overlaps that unit's gradient computation.
+    """
+
+    result: ReduceResult  # the collective's output and work
+    post_divide: float  # what the sum is divided by after the collective
+    kind: str  # "reduce_scatter" | "all_reduce", for the trace and profiler labels
+    had_every_grad: bool  # this rank had every gradient: no "had a gradient" count to read
 
 
 class ShardedState(Enum):
@@ -87,6 +109,7 @@ class ShardedUnit:
     # these per unit too); construct.py sets them from the unit's config.
     forward_prefetch: bool
     backward_prefetch: BackwardPrefetch | None
+    runtime: object | None  # the root's runtime.StepRuntime (which imports this file)
 
     def __init__(
         self,
@@ -117,6 +140,14 @@ class ShardedUnit:
         self.streams = None
         self.forward_prefetch = True
         self.backward_prefetch = BackwardPrefetch.BACKWARD_PRE
+        self.runtime = None  # the root's runtime.StepRuntime, from runtime.lazy_init
+        # False (no_sync, set_requires_gradient_sync): backward keeps the unsharded gradients,
+        # to accumulate, and reduces nothing.
+        self.requires_gradient_sync = True
+        # Units to prefetch from this one's pre-forward / pre-backward, set explicitly (FSDP2's
+        # set_modules_to_forward_prefetch); None: the next in the recorded order.
+        self.forward_prefetch_units: list[ShardedUnit] | None = None
+        self.backward_prefetch_units: list[ShardedUnit] | None = None
         # Modules this unit leaves out beyond its parent's (a policy's override): the parent
         # unit takes their params, as in torch FSDP1 (construct._ignored_by_nested).
         self.ignored_modules: frozenset = frozenset()
@@ -132,9 +163,7 @@ class ShardedUnit:
         self.training_state = TrainingState.IDLE
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
         self._gathering_on_side_stream = False  # that unshard runs on streams.all_gather
-        # A reduction in flight, its post-divide factor, the collective's kind (for the trace) and
-        # whether this rank had every gradient.
-        self._pending_reduce: tuple[ReduceResult, float, str, bool] | None = None
+        self._pending_reduce: PendingReduce | None = None  # a reduction in flight
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
         # Frozen params whose unsharded copy backward may read after the last gradient is in
         # (see Note [Frozen parameters in a unit] in runtime.py).
@@ -199,7 +228,7 @@ class ShardedUnit:
         # A prefetch runs on the all-gather side stream where there is one; a gather the compute
         # needs right away stays on the compute stream (Note [Side-stream protocol]).
         side = self.streams.all_gather if self.streams is not None and async_op else None
-        with self._queued_on(side):
+        with self._queued_on(side), self._label("all_gather"):
             all_gather_input, all_gather_output = collectives.all_gather_buffers(
                 self.unit_shard_numel,
                 self.group,
@@ -220,6 +249,13 @@ class ShardedUnit:
             )
         self._gathering_on_side_stream = side is not None
 
+    def _label(self, what: str) -> contextlib.AbstractContextManager:
+        """``fsdp_lite::<what> <unit>`` in torch's profiler (the glossary's words); nothing when
+        no profiler runs."""
+        if not torch.autograd.profiler._is_profiler_enabled:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(f"fsdp_lite::{what} {self.name or '<root>'}")
+
     def _queued_on(self, side) -> contextlib.AbstractContextManager:
         """The block's device work queued on side stream ``side`` (after the compute stream's), or
         in program order where it is None (CPU, or a gather needed at once)."""
@@ -229,6 +265,13 @@ class ShardedUnit:
         result, self._all_gather = self._all_gather, None
         if result is None:
             return
+        with self._label("wait_for_unshard"):
+            self._wait_and_copy_out(result)
+        if self._gathering_on_side_stream:
+            self.streams.after_copy_out()
+        self._to_unsharded()
+
+    def _wait_and_copy_out(self, result: AllGatherResult) -> None:
         result.wait()
         self._record_done("all_gather")
         with contextlib.ExitStack() as stack, torch.no_grad():
@@ -247,9 +290,6 @@ class ShardedUnit:
                 self.shard_numels,
                 [p.unsharded_flat for p in self.params],
             )
-        if self._gathering_on_side_stream:
-            self.streams.after_copy_out()
-        self._to_unsharded()
 
     def _cast_copy(self) -> None:
         """NO_SHARD under mixed precision: the unsharded copy is a local cast, no collective."""
@@ -298,7 +338,7 @@ class ShardedUnit:
             return
         grads = self.unsharded_grads()
         side = self.streams.reduce if self.streams is not None else None
-        with self._queued_on(side):
+        with self._queued_on(side), self._label(self.rules.grad_reduce):
             if side is not None:
                 for g in grads:
                     if g is not None:  # read on the reduce stream, then dropped below
@@ -306,9 +346,7 @@ class ShardedUnit:
             self._pending_reduce = self._start_reduce(grads)
         self.reduced = True
 
-    def _start_reduce(
-        self, grads: list[torch.Tensor | None]
-    ) -> tuple[ReduceResult, float, str, bool]:
+    def _start_reduce(self, grads: list[torch.Tensor | None]) -> PendingReduce:
         """Pack, pre-divide and issue this unit's gradient collective; drop autograd's grads."""
         filled = [
             g
@@ -343,14 +381,18 @@ class ShardedUnit:
             kind = "all_reduce"
             self._record(kind, "backward", flat_grads)
             result = collectives.all_reduce(flat_grads, self.group, async_op=True)
-        return result, post, kind, all(g is not None for g in grads)
+        return PendingReduce(result, post, kind, all(g is not None for g in grads))
 
     def finish_reduce(self) -> None:
         """Wait for the reduction and write each parameter's averaged gradient."""
         pending, self._pending_reduce = self._pending_reduce, None
         if pending is None:
             return
-        result, post, kind, had_every_grad = pending
+        with self._label("finish_reduce"):
+            self._land(pending)
+
+    def _land(self, pending: PendingReduce) -> None:
+        result, post, kind = pending.result, pending.post_divide, pending.kind
         output = result.wait()
         self._record_done(kind)
         if self.replicate_group is not None:
@@ -363,7 +405,9 @@ class ShardedUnit:
         ranks_with_grad = output[-len(self.trainable) :]  # > 0 where any rank had one
         # Reading the counts waits for the device; when this rank had every gradient, every
         # count is at least 1 and the read, a host sync per unit on an accelerator, is skipped.
-        used_counts = [1.0] * len(self.trainable) if had_every_grad else ranks_with_grad.tolist()
+        used_counts = (
+            [1.0] * len(self.trainable) if pending.had_every_grad else ranks_with_grad.tolist()
+        )
         scattered = self.rules.grad_reduce == "reduce_scatter"
         offset = 0
         for p, used in zip(self.trainable, used_counts):

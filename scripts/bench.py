@@ -59,6 +59,8 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 REFERENCE = "torch_fsdp2"  # the "x FSDP2" column
 # FULL_SHARD with the backend's own all-gather and reduce-scatter, where fsdp_lite would send rows
 COLLECTIVES_VARIANT = "fsdp_lite/FULL_SHARD/collectives"
+# fsdp_lite's FSDP2 front, fully_shard per block and root: the same calls as torch_fsdp2's
+LITE_FSDP2 = "fsdp_lite/fully_shard"
 FLOOR = "single"
 
 # ---- the systems ---------------------------------------------------------------------------------
@@ -67,7 +69,7 @@ FLOOR = "single"
 @dataclasses.dataclass(frozen=True)
 class SystemSpec:
     name: str  # what --systems selects and the table shows
-    kind: str  # "single" | "ddp" | "fsdp1" | "fsdp2" | "lite"
+    kind: str  # "single" | "ddp" | "fsdp1" | "fsdp2" | "lite" | "lite_fsdp2" (fully_shard front)
     strategy: str | None = None  # a ShardingStrategy member name for fsdp1 / lite
     # Collectives per step in units of psi*(N-1)/N (all-gathers, reduce-scatters, all-reduces).
     theory: tuple[int, int, int] = (0, 0, 0)
@@ -89,6 +91,7 @@ def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
         SystemSpec("torch_fsdp1/SHARD_GRAD_OP", "fsdp1", "SHARD_GRAD_OP", (1, 1, 0)),
         SystemSpec(REFERENCE, "fsdp2", theory=(2, 1, 0)),
         SystemSpec("fsdp_lite/FULL_SHARD", "lite", "FULL_SHARD", (2, 1, 0)),
+        SystemSpec(LITE_FSDP2, "lite_fsdp2", theory=(2, 1, 0)),
         SystemSpec(COLLECTIVES_VARIANT, "lite", "FULL_SHARD", (2, 1, 0), backend_collectives=True),
         SystemSpec("fsdp_lite/SHARD_GRAD_OP", "lite", "SHARD_GRAD_OP", (1, 1, 0)),
         SystemSpec("fsdp_lite/NO_SHARD", "lite", "NO_SHARD", (0, 0, 1)),
@@ -110,7 +113,14 @@ def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
 
 
 # bf16 keeps the systems whose comparison matters most, so the default run fits in 10 minutes.
-DEFAULT_BF16 = (FLOOR, "ddp", REFERENCE, "fsdp_lite/FULL_SHARD", "fsdp_lite/SHARD_GRAD_OP")
+DEFAULT_BF16 = (
+    FLOOR,
+    "ddp",
+    REFERENCE,
+    "fsdp_lite/FULL_SHARD",
+    LITE_FSDP2,
+    "fsdp_lite/SHARD_GRAD_OP",
+)
 
 
 @dataclasses.dataclass
@@ -152,13 +162,16 @@ def build_system(
             if dtype
             else None,
         )
-    elif spec.kind == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    elif spec.kind in ("fsdp2", "lite_fsdp2"):
+        import torch.distributed.fsdp as torch_fsdp
 
-        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        import fsdp_lite
+
+        api = torch_fsdp if spec.kind == "fsdp2" else fsdp_lite
+        mp_policy = api.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
+            api.fully_shard(block, mp_policy=mp_policy)
+        api.fully_shard(model, mp_policy=mp_policy)
     elif spec.kind == "lite":
         import fsdp_lite
         from fsdp_lite.wrap import ModuleWrapPolicy
@@ -387,7 +400,7 @@ def measure_system(system: System, args, cfg: GPTConfig, next_step: int) -> dict
     batch = make_batch(cfg, args.batch, args.seed, next_step, rank)
     counter = CountCollectives()
     trace = contextlib.nullcontext()
-    if spec.kind == "lite":
+    if spec.kind in ("lite", "lite_fsdp2"):
         from fsdp_lite.trace import record_collectives
 
         trace = record_collectives(system.model)
@@ -463,7 +476,9 @@ def theory_nbytes(spec: SystemSpec, precision: str, cfg: GPTConfig, world_size: 
         "padding": sharded * (numels["psi_padded"] - numels["psi"]),
         # fsdp_lite's reductions carry one fp32 "had a gradient" count per parameter (unit.py,
         # Note [Unused parameters]): (N - 1) of them per parameter leave each rank in a ring.
-        "flags": 4 * numels["params"] * (world_size - 1) if spec.kind == "lite" else 0,
+        "flags": 4 * numels["params"] * (world_size - 1)
+        if spec.kind in ("lite", "lite_fsdp2")
+        else 0,
     }
     return out
 
@@ -737,6 +752,17 @@ def targets(by_key: dict) -> list[dict]:
         "median step <= 1.1 x ddp",
         lite["step_s"]["median"],
         1.1 * ddp["step_s"]["median"] if ddp else None,
+    )
+    front = by_key.get(("fp32", LITE_FSDP2))
+    check(
+        f"{LITE_FSDP2} median step <= 0.9 x torch_fsdp2",
+        front["step_s"]["median"] if front else None,
+        0.9 * fsdp2["step_s"]["median"] if fsdp2 else None,
+    )
+    check(
+        f"{LITE_FSDP2} peak tracked memory <= torch_fsdp2's",
+        max(front["peak_tracked_nbytes"]) if front else None,
+        max(fsdp2["peak_tracked_nbytes"]) if fsdp2 else None,
     )
     check("state bytes <= 1.01 x ideal", lite.get("state_vs_ideal"), 1.01)
     check(

@@ -412,3 +412,21 @@ def test_cli_runs_torch_fsdp2_and_reports_its_results(tmp_path):
     assert proc.returncode == int(any(c["status"] == "failed" for c in doc["cases"]))
     assert all(c["status"] in ("passed", "failed", "unsupported") for c in doc["cases"])
     assert "torch_fsdp2" in proc.stdout
+
+
+def _fsdp2_front_quick_rank(rank: int, world_size: int):
+    from conformance.adapters import get_adapter
+    from conformance.runner import run_cases
+
+    adapter = get_adapter("fsdp_lite_fsdp2")
+    cases, _ = build_matrix(
+        ["fsdp_lite_fsdp2"], {"fsdp_lite_fsdp2": adapter.strategies()}, 2, quick=True
+    )
+    return [(r.case.name, r.status, r.reason) for r in run_cases(cases, [adapter], timeout_s=60.0)]
+
+
+def test_the_fsdp2_front_passes_the_quick_matrix(tmp_path):
+    results = run_ranks(_fsdp2_front_quick_rank, 2, tmp_path, timeout=240)[0]
+    assert len(results) >= 20
+    failed = [r for r in results if r[1] != "passed"]
+    assert not failed, failed

@@ -141,3 +141,22 @@ def test_shard_grad_op_keeps_unsharded_params_until_backward(tmp_path):
         assert state == "UNSHARDED" and nbytes > 0 and not holds_shards, (name, result)
     for name, (state, nbytes) in result["at_rest"].items():
         assert (state, nbytes) == ("SHARDED", 0), (name, result)
+
+
+def _profiler_labels_rank(rank: int, world_size: int) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = FSDP(build_model("lm"), auto_wrap_policy=POLICIES["lm"])
+    x, y = rank_batch("lm", 0, rank, world_size)
+    loss_fn("lm", model(x), y).backward()  # the first step records the order
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss_fn("lm", model(x), y).backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("fsdp_lite::")})
+
+
+def test_torch_profiler_shows_each_stage_per_unit_in_the_glossarys_words(tmp_path):
+    labels = run_ranks(_profiler_labels_rank, 2, tmp_path, timeout=120)[0]
+    for unit in ("blocks.0", "blocks.1"):
+        for stage in ("all_gather", "wait_for_unshard", "reduce_scatter", "finish_reduce"):
+            assert f"fsdp_lite::{stage} {unit}" in labels, labels
+    assert "fsdp_lite::reduce_scatter <root>" in labels, labels

@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-import fsdp_lite.module
+import fsdp_lite.runtime
 from fsdp_lite import BackwardPrefetch, ShardingStrategy, collectives
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite.streams import SideStreams, side_streams
@@ -88,8 +88,8 @@ def _train(
 
         return call
 
-    saved_factory = fsdp_lite.module.side_streams
-    fsdp_lite.module.side_streams = lambda device: streams
+    saved_factory = fsdp_lite.runtime.side_streams
+    fsdp_lite.runtime.side_streams = lambda device: streams
     for name in LOGGED:
         setattr(collectives, name, logged(name))
     try:
@@ -113,7 +113,7 @@ def _train(
             losses.append(loss.detach())
         return [t.cpu() for t in losses], [local(p.detach()).cpu() for p in model.parameters()]
     finally:
-        fsdp_lite.module.side_streams = saved_factory
+        fsdp_lite.runtime.side_streams = saved_factory
         for name, fn in originals.items():
             setattr(collectives, name, fn)
 

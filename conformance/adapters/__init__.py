@@ -1,6 +1,6 @@
 """Adapters: one per FSDP implementation, found by name (``--impl NAME``).
 
-Built-in names are ``fsdp_lite``, ``torch_fsdp1`` and ``torch_fsdp2``. A third party either passes
+Built-in names are ``fsdp_lite``, ``fsdp_lite_fsdp2``, ``torch_fsdp1`` and ``torch_fsdp2``. A third party either passes
 ``--impl package.module:ClassName`` (any importable ``Adapter`` subclass) or calls ``register`` on
 its class before running. See docs/conformance.md, "Adding an adapter for your own FSDP".
 """
@@ -33,6 +33,7 @@ BUILTIN = {
     "fsdp_lite": "conformance.adapters.lite:FsdpLiteAdapter",
     "torch_fsdp1": "conformance.adapters.fsdp1:TorchFSDP1Adapter",
     "torch_fsdp2": "conformance.adapters.fsdp2:TorchFSDP2Adapter",
+    "fsdp_lite_fsdp2": "conformance.adapters.fsdp2:FsdpLiteFSDP2Adapter",
 }
 _REGISTERED: dict[str, type[Adapter]] = {}
 

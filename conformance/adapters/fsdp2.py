@@ -1,4 +1,5 @@
-"""The adapter for native torch FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""The adapters for FSDP2's API: native torch (``torch.distributed.fsdp.fully_shard``) and
+fsdp_lite's FSDP2 front (``fsdp_lite.fully_shard``), one recipe under the module named ``api``.
 
 Each unit gets ``fully_shard``, then the root. Strategies map to FSDP2's terms: FULL_SHARD is
 ``reshard_after_forward=True``, SHARD_GRAD_OP ``False``, HYBRID_SHARD a 2-D (replicate, shard)
@@ -10,8 +11,9 @@ dicts go through ``torch.distributed.checkpoint.state_dict`` with ``full_state_d
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -19,12 +21,15 @@ import torch.nn as nn
 from conformance.adapters.base import Adapter, WrapRequest, clean_name, full_tensor
 from conformance.matrix import Case
 
-__all__ = ["TorchFSDP2Adapter"]
+__all__ = ["FsdpLiteFSDP2Adapter", "TorchFSDP2Adapter"]
 
 
 class TorchFSDP2Adapter(Adapter):
     name = "torch_fsdp2"
     description = "torch.distributed.fsdp.fully_shard (FSDP2), per unit and root"
+    # Holds fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy and a
+    # sharded_grad_scaler submodule.
+    api: ClassVar[str] = "torch.distributed.fsdp"
 
     def strategies(self) -> list[str]:
         return ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]
@@ -42,12 +47,9 @@ class TorchFSDP2Adapter(Adapter):
         return None
 
     def wrap(self, model: nn.Module, request: WrapRequest) -> nn.Module:
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-        )
+        api = importlib.import_module(self.api)
+        CPUOffloadPolicy, MixedPrecisionPolicy = api.CPUOffloadPolicy, api.MixedPrecisionPolicy
+        OffloadPolicy, fully_shard = api.OffloadPolicy, api.fully_shard
 
         if request.strategy == "NO_SHARD":
             mesh = request.mesh_2d(request.case.world_size, 1)
@@ -80,13 +82,12 @@ class TorchFSDP2Adapter(Adapter):
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
         if request.forward_prefetch:
-            _chain_forward_prefetch(request.units)
+            _chain_forward_prefetch(request.units, api.FSDPModule)
         return model
 
     def make_grad_scaler(self, model: nn.Module, request: WrapRequest, init_scale: float) -> Any:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(
+        scaler = importlib.import_module(f"{self.api}.sharded_grad_scaler").ShardedGradScaler
+        return scaler(
             device=request.device.type, init_scale=init_scale, process_group=request.group
         )
 
@@ -114,11 +115,17 @@ class TorchFSDP2Adapter(Adapter):
         set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
 
 
-def _chain_forward_prefetch(units: list[nn.Module]) -> None:
+def _chain_forward_prefetch(units: list[nn.Module], FSDPModule: type) -> None:  # noqa: N803
     """Each unit prefetches the next one in forward order (skipping units nested in each other)."""
-    from torch.distributed.fsdp import FSDPModule
-
     outer = [u for u in units if not any(u is not o and u in set(o.modules()) for o in units)]
     for current, following in zip(outer, outer[1:]):
         if isinstance(current, FSDPModule) and isinstance(following, FSDPModule):
             current.set_modules_to_forward_prefetch([following])
+
+
+class FsdpLiteFSDP2Adapter(TorchFSDP2Adapter):
+    """fsdp_lite's FSDP2 front through the same recipe as torch's."""
+
+    name = "fsdp_lite_fsdp2"
+    description = "fsdp_lite.fully_shard (this repository's FSDP2 front), per unit and root"
+    api = "fsdp_lite"

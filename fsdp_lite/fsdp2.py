@@ -1,0 +1,415 @@
+"""The FSDP2 front: ``fully_shard(module, mesh=...)``, the API of torch FSDP2's ``fully_shard``.
+
+``fully_shard`` turns its arguments into the same ``UnitConfig`` the FSDP1 front builds, builds the
+module's ``ShardedUnit`` with construct.py, swaps the module's class to ``FSDP<Orig>(FSDPModule,
+Orig)`` in place (names unchanged: no wrapper module) and registers forward hooks that hand each
+stage to runtime.py. ``FSDPModule`` holds the methods client code calls between steps (``reshard``,
+``unshard``, ``set_requires_gradient_sync`` ...). The engine underneath is the FSDP1 front's: this
+file only translates arguments and calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+
+from fsdp_lite import offload
+from fsdp_lite.api import STRATEGY_RULES, BackwardPrefetch, ShardingStrategy
+from fsdp_lite.construct import (
+    UnitConfig,
+    _build_unit,
+    _check_same_model_across_ranks,
+    _move_to_device,
+)
+from fsdp_lite.mixed_precision import Precision, cast_floating
+from fsdp_lite.runtime import (
+    check_apply,
+    lazy_init,
+    register_grad_hooks,
+    take_back_after_apply,
+)
+from fsdp_lite.state_dict import to_rest
+from fsdp_lite.unit import ShardedUnit, TrainingState, owns_unit, unit_owners
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for FSDP2's unsharded params, gradient reduction and outputs (torch's meaning).
+
+    ``reduce_dtype`` None reduces in ``param_dtype``; ``output_dtype`` casts the module's floating
+    outputs; ``cast_forward_inputs`` casts its floating inputs to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: shards, gradients and optimizer state on the mesh's device."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Shards, their gradients and so the optimizer step in CPU memory (ZeRO-Offload).
+
+    ``pin_memory``: pinned host memory where the compute device is an accelerator.
+    """
+
+    pin_memory: bool = True
+
+
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` lands the all-gather."""
+
+    def __init__(self, unit: ShardedUnit | None = None) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        """Wait for the all-gather; the module then holds its unsharded params."""
+        if self._unit is not None:
+            self._unit.wait_for_unshard()
+            self._unit = None
+
+
+# The FSDP<Orig> class made for each original class, so that one class serves every instance.
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> FSDPModule:
+    """Shard ``module``'s parameters (those not already in a sharded submodule) across ``mesh``.
+
+    Args:
+        module: the module; called bottom-up (blocks first, then the root), as in torch.
+        mesh: a 1-D mesh to shard over, or a 2-D (replicate, shard) mesh for HSDP. Default: every
+            rank, on the default process group's device type.
+        reshard_after_forward: True frees the unsharded params after forward (ZeRO-3), False
+            keeps them until after backward (ZeRO-2). None (default): True, but the root keeps its.
+        shard_placement_fn: None, or returns ``Shard(0)`` / None for each parameter.
+        mp_policy: a ``MixedPrecisionPolicy``.
+        offload_policy: ``OffloadPolicy()`` (default) or ``CPUOffloadPolicy()``.
+        ignored_params: parameters left alone: not sharded, not reduced.
+
+    Returns:
+        ``module`` itself, its class now ``FSDP<Orig>`` (an ``FSDPModule`` and an ``Orig``).
+
+    Raises:
+        NotImplementedError: what is not built (a list of modules, an int
+            ``reshard_after_forward``, a placement other than ``Shard(0)``), before any collective.
+    """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard of a list of modules (one group for several modules) is not built yet; "
+            "shard their common parent instead"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if owns_unit(module):
+        raise ValueError(f"{type(module).__name__} is already sharded (fully_shard called twice)")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            "reshard_after_forward as an int (resharding to a smaller group) is not built yet"
+        )
+    config = _config(module, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    if shard_placement_fn is not None:
+        for name, param in module.named_parameters():
+            placement = shard_placement_fn(param)
+            if placement is not None and placement != Shard(0):
+                raise NotImplementedError(
+                    f"shard_placement_fn gave {name!r} {placement}; only Shard(0) is built"
+                )
+    _move_to_device(module, config)
+    # A collective, after every argument was checked: different models fail here on every rank.
+    _check_same_model_across_ranks(module, config)
+    unit = _build_unit(module, config)
+    module._unit = unit  # its owner now: what unit.owns_unit recognizes
+    module._config = config
+    module._mp_policy = mp_policy
+    register_grad_hooks(unit, unit.params)
+    for p in unit.params:
+        p.point_modules_to(p.sharded_param)
+    module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(_post_forward)
+    module.register_state_dict_pre_hook(_state_dict_pre_hook)
+    module.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+    module.__class__ = _fsdp_class(type(module))
+    return module
+
+
+def _config(
+    module: nn.Module,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: bool | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+) -> UnitConfig:
+    """FSDP2's arguments as the engine's ``UnitConfig``; no collective runs here."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed initialized first")
+    for name, value, types in (
+        ("mp_policy", mp_policy, MixedPrecisionPolicy),
+        ("offload_policy", offload_policy, OffloadPolicy),
+    ):
+        if not isinstance(value, types):
+            raise TypeError(
+                f"{name} must be fsdp_lite's {types.__name__}, got "
+                f"{type(value).__module__}.{type(value).__qualname__}"
+            )
+    if mesh is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh must be a 1-D or 2-D (replicate, shard) DeviceMesh, got {mesh!r}")
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    hybrid = mesh.ndim == 2
+    keep = reshard_after_forward is False
+    strategy = {
+        (False, False): ShardingStrategy.FULL_SHARD,
+        (False, True): ShardingStrategy.SHARD_GRAD_OP,
+        (True, False): ShardingStrategy.HYBRID_SHARD,
+        (True, True): ShardingStrategy._HYBRID_SHARD_ZERO2,
+    }[(hybrid, keep)]
+    offload_params = isinstance(offload_policy, CPUOffloadPolicy)
+    param_dtype = mp_policy.param_dtype
+    ignored = frozenset(ignored_params or ())
+    return UnitConfig(
+        strategy=strategy,
+        rules=STRATEGY_RULES[strategy],
+        group=mesh.get_group(mesh.ndim - 1),
+        mesh=mesh,
+        replicate_group=mesh.get_group(0) if hybrid else None,
+        cpu_offload=None,
+        storage_device=offload.storage_device(device, offload_params),
+        disk=None,
+        # A meta-device module stays uninitialized, as in torch: the caller runs to_empty() and
+        # its own init (reset_parameters, init_weights) on the shards afterwards.
+        param_init_fn=_leave_uninitialized,
+        sync_module_states=False,
+        device=device,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,  # FSDP2 always prefetches pre-backward
+        forward_prefetch=True,
+        ignored_params=ignored,
+        ignored_modules=frozenset(),
+        precision=Precision(
+            param_dtype=param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype or param_dtype,
+            cast_forward_inputs=mp_policy.cast_forward_inputs,
+        ),
+    )
+
+
+def _leave_uninitialized(module: nn.Module) -> None:
+    """Meta-device materialization that initializes nothing (see ``_config``)."""
+
+
+# ---- hooks: each stage goes to runtime.py -----------------------------------------------------
+
+
+def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    unit: ShardedUnit = module._unit
+    runtime = lazy_init(module)  # the first FSDPModule to run is the root
+    args, kwargs = runtime.pre_forward(unit, args, kwargs)
+    if unit.precision.cast_forward_inputs and unit.precision.param_dtype is not None:
+        args, kwargs = cast_floating(unit.precision.param_dtype, (args, kwargs))
+    return args, kwargs
+
+
+def _post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
+    output = module._unit.runtime.post_forward(module._unit, output)
+    return cast_floating(module._mp_policy.output_dtype, output)
+
+
+def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    to_rest(module)  # the modules hold the sharded DTensors, whose storage the values share
+
+
+def _load_state_dict_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
+    # load_state_dict(assign=True) put new DTensors in the modules: take them back as shards.
+    take_back_after_apply(module._unit, lambda t: t)
+
+
+# ---- the class every sharded module becomes ------------------------------------------------------
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
+
+
+class FSDPModule:
+    """What ``fully_shard`` makes a module also be: its unit's methods, torch FSDP2's names.
+
+    ``recurse=True`` methods act on every ``FSDPModule`` in this module's tree.
+    """
+
+    _unit: ShardedUnit
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # nn.ModuleList slicing builds type(self)(...): give it the original class, as torch does.
+        orig = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise AssertionError(
+            "FSDP does not support deepcopy. Please use state dict for serialization."
+        )
+
+    def _owners(self, recurse: bool) -> list[nn.Module]:
+        return unit_owners(self) if recurse else [self]
+
+    def reshard(self) -> None:
+        """Free the unsharded params; the module holds the sharded ones again."""
+        self._unit.assert_state(TrainingState.IDLE)
+        self._unit.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather the params now; with ``async_op``, the returned handle's ``wait()`` lands it."""
+        unit = self._unit
+        unit.unshard("forward", async_op=async_op)
+        if async_op:
+            return UnshardHandle(unit)
+        unit.wait_for_unshard()
+        return None
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """False: backward keeps local unsharded gradients (to accumulate) and reduces nothing."""
+        for m in self._owners(recurse):
+            m._unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether forward frees the unsharded params (the root keeps its either way)."""
+        for m in self._owners(recurse):
+            unit = m._unit
+            unit.rules = dataclasses.replace(
+                unit.rules, reshard_after_forward=reshard_after_forward
+            )
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """False: the unsharded params stay after backward; the next forward gathers only if the
+        shards changed (Note [ZeRO-1] in unit.py)."""
+        for m in self._owners(recurse):
+            unit = m._unit
+            unit.rules = dataclasses.replace(
+                unit.rules, reshard_after_backward=reshard_after_backward
+            )
+
+    def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
+        """Start these modules' all-gathers in this module's pre-forward, instead of the next's."""
+        self._unit.forward_prefetch_units = [_unit_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
+        """Start these modules' all-gathers in this module's pre-backward, instead of the next's."""
+        self._unit.backward_prefetch_units = [_unit_of(m) for m in modules]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Only True is built: every backward ends by landing its gradients."""
+        if not is_last_backward:
+            _not_built("set_is_last_backward(False)")
+
+    def reset_iter_state(self) -> None:
+        """Nothing to reset between iterations: per-step state resets at the end of backward."""
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``to``, ``double``, ``to_empty``...: shards stay the tensors the optimizer steps (see
+        the FSDP1 front's ``_apply``)."""
+        owners = unit_owners(self)
+        for m in owners:  # all checked first, so that a refusal leaves the model as it was
+            check_apply(m._unit, fn)
+        for m in owners:
+            to_rest(m)
+        result = super()._apply(fn, recurse)
+        take_back_after_apply(self._unit, fn)
+        return result
+
+
+def _unit_of(module: Any) -> ShardedUnit:
+    if not owns_unit(module):
+        raise ValueError(f"{type(module).__name__} is not an FSDPModule (call fully_shard on it)")
+    return module._unit
+
+
+def _not_built(what: str) -> None:
+    raise NotImplementedError(f"{what} is not built in fsdp_lite's FSDP2 front")
+
+
+def _not_built_method(name: str) -> Callable:
+    def method(self, *args: Any, **kwargs: Any) -> None:
+        _not_built(f"FSDPModule.{name}")
+
+    method.__name__ = name
+    method.__doc__ = f"Not built: raises NotImplementedError (torch's FSDPModule.{name})."
+    return method
+
+
+for _name in (
+    "set_requires_all_reduce",
+    "set_custom_all_gather",
+    "set_custom_reduce_scatter",
+    "set_all_reduce_hook",
+    "set_post_optim_event",
+    "set_reduce_scatter_divide_factor",
+    "set_gradient_divide_factor",
+    "set_force_sum_reduction_for_comms",
+    "set_reduce_scatter_unused_params",
+    "set_reduce_scatter_max_input_buffers",
+    "set_separate_reduce_scatter_group",
+    "set_unshard_in_backward",
+    "set_allocate_memory_from_process_group_for_comm",
+    "set_symm_mem_for_comm",
+):
+    setattr(FSDPModule, _name, _not_built_method(_name))
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` (e.g. ``generate``) between the pre- and post-forward stages,
+    as its ``forward`` is; a no-op for a module that is not an ``FSDPModule``, as in torch."""
+    if not owns_unit(module):
+        return
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _pre_forward(module, args, kwargs)
+        return _post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
