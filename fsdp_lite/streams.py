@@ -27,7 +27,6 @@ scripts/gpu_checks.sh runs the same training against the results without side st
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
@@ -63,9 +62,9 @@ class SideStreams:
 
 
 def side_streams(device: torch.device) -> SideStreams | None:
-    """Two new side streams on ``device``, or None where it has no streams (CPU) or where the
-    environment sets ``FSDP_LITE_SIDE_STREAMS=0`` (everything then queues on the compute stream)."""
-    if device.type == "cpu" or os.environ.get("FSDP_LITE_SIDE_STREAMS", "1") == "0":
+    """Two new side streams on ``device``, or None where it has no streams (CPU): everything then
+    queues on the compute stream, in program order."""
+    if device.type == "cpu":
         return None
     module = torch.get_device_module(device)
     if not hasattr(module, "Stream") or not hasattr(module, "stream"):

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_lite.runtime import lazy_init
 from fsdp_lite.unit import unit_owners
 
 __all__ = [
@@ -293,7 +294,7 @@ def record_collectives(
     """
     wrappers = unit_owners(model)
     for w in wrappers:
-        w._lazy_init()
+        lazy_init(w)
     trace = CollectiveTrace(
         rank=dist.get_rank() if dist.is_initialized() else 0,
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
@@ -321,7 +322,7 @@ def explain(model: nn.Module) -> str:
     wrappers = unit_owners(model)
     lines = []
     for w in wrappers:
-        w._lazy_init()
+        lazy_init(w)
         unit = w._unit
         precision = unit.precision
         dtype = next((p.sharded_flat.dtype for p in unit.params), None)

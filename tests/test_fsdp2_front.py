@@ -172,6 +172,15 @@ def _check_contracts(rank, world_size):
     assert not isinstance(block.qkv.weight, DTensor), "unshard left the shards in the module"
     block.reshard()
     assert isinstance(block.qkv.weight, DTensor)
+    # fsdp_lite's trace and explain() see the FSDP2 front's units as the FSDP1 wrapper's.
+    from fsdp_lite.trace import explain, record_collectives
+
+    with record_collectives(model) as trace:
+        loss_fn("lm", model(x), y).backward()
+    seen = {(r.kind, r.unit, r.phase) for r in trace.records}
+    for unit in ("blocks.0", "blocks.1"):
+        assert {("all_gather", unit, "forward"), ("reduce_scatter", unit, "backward")} <= seen, seen
+    assert "blocks.1" in explain(model)
     with pytest.raises(NotImplementedError, match="set_gradient_divide_factor"):
         model.set_gradient_divide_factor(1.0)
     with pytest.raises(NotImplementedError, match="list of modules"):

@@ -68,3 +68,45 @@ def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function_level_import(tmp_pa
     modules = {"low", "high"}
     graph = {name: _imports(tmp_path / f"{name}.py", modules) for name in modules}
     assert find_cycle(graph) == ["high", "low", "high"]
+
+
+# The environment reads fsdp_lite has, each with why it is not a behaviour switch.
+ALLOWED_ENVIRONMENT = {
+    ("construct.py", "LOCAL_WORLD_SIZE"): "torchrun's ranks per node: HYBRID_SHARD's default group",
+    ("launch.py", "OMP_NUM_THREADS"): "a default set for the launched ranks, not read",
+    ("demo.py", "RANK"): "whether torchrun (or the demo itself) started this process",
+}
+
+
+def _environment_reads(path: Path) -> set[str]:
+    """Names read or set through os.environ / os.getenv in ``path`` ("?" where not a literal)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            on_environ = isinstance(f.value, ast.Attribute) and f.value.attr == "environ"
+            if not (on_environ or f.attr == "getenv"):
+                continue
+            target = node.args[0] if node.args else None
+        elif isinstance(node, ast.Subscript) and getattr(node.value, "attr", None) == "environ":
+            target = node.slice
+        elif isinstance(node, ast.Compare) and any(
+            getattr(c, "attr", None) == "environ" for c in node.comparators
+        ):
+            target = node.left
+        else:
+            continue
+        found.add(target.value if isinstance(target, ast.Constant) else "?")
+    return found
+
+
+def test_no_environment_variable_switches_behaviour_in_fsdp_lite():
+    seen = {(p.name, name) for p in PACKAGE.glob("*.py") for name in _environment_reads(p)}
+    unexplained = sorted(seen - set(ALLOWED_ENVIRONMENT))
+    assert not unexplained, f"environment reads in fsdp_lite/: {unexplained}"
+
+
+def test_the_environment_scan_finds_a_planted_switch(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text('import os\nif os.environ.get("FSDP_LITE_X") == "1":\n    os.getenv("Y")\n')
+    assert _environment_reads(planted) == {"FSDP_LITE_X", "Y"}
