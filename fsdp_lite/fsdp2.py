@@ -30,6 +30,7 @@ from fsdp_lite.construct import (
     _check_same_model_across_ranks,
     _move_to_device,
 )
+from fsdp_lite.interop import TorchFSDPModule
 from fsdp_lite.mixed_precision import Precision, cast_floating
 from fsdp_lite.runtime import (
     check_apply,
@@ -270,20 +271,31 @@ def _fsdp_class(cls: type) -> type:
     return _FSDP_CLASSES[cls]
 
 
-class FSDPModule:
+class FSDPModule(TorchFSDPModule):
     """What ``fully_shard`` makes a module also be: its unit's methods, torch FSDP2's names.
 
+    A subclass of torch's ``FSDPModule`` only so that ``isinstance`` checks in client code hold
+    (interop.py); every method torch's class has is defined here, so none of torch's runs.
     ``recurse=True`` methods act on every ``FSDPModule`` in this module's tree.
     """
 
     _unit: ShardedUnit
+    # FSDP<Orig>, FSDPModule, torch's FSDPModule, Orig: where torch's code looks for Orig.
+    _orig_cls_mro_index: int = 3
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # nn.ModuleList slicing builds type(self)(...): give it the original class, as torch does.
-        orig = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
+        orig = next(c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
+
+    def _get_fsdp_state(self) -> _ForwardStages:
+        """What torch's ``register_fsdp_forward_method`` calls: our pre/post-forward stages."""
+        return _ForwardStages()
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        _not_built("FSDPModule._set_unshard_async_op")
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise AssertionError(
@@ -357,9 +369,24 @@ class FSDPModule:
             check_apply(m._unit, fn)
         for m in owners:
             to_rest(m)
-        result = super()._apply(fn, recurse)
+        # Past torch's FSDPModule in the MRO: its _apply is torch's FSDP code (interop.py).
+        result = super(TorchFSDPModule, self)._apply(fn, recurse)
         take_back_after_apply(self._unit, fn)
         return result
+
+
+class _ForwardStages:
+    """The two methods of torch's FSDP state that torch's ``register_fsdp_forward_method`` uses,
+    as fsdp_lite's hooks; anything else torch's internals would read raises, naming it."""
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _pre_forward(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return _post_forward(module, args, output)
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotImplementedError(f"torch FSDP2 state attribute {name!r} is not in fsdp_lite")
 
 
 def _unit_of(module: Any) -> ShardedUnit:
