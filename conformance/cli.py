@@ -1,7 +1,7 @@
 """``python -m conformance``: choose the cases, start the ranks, run, report.
 
-Without ``RANK`` in the environment it starts ``--nproc`` local ranks itself through torch's
-elastic launcher (what ``torchrun --standalone`` does) and waits for them; under ``torchrun`` it
+Without ``RANK`` in the environment it starts ``--nproc`` local ranks itself through torchrun's
+entry point (``torchrun --standalone``) and waits for them; under ``torchrun`` it
 uses the ranks it is given. Every rank builds the same case list and calls ``run_cases`` in one
 process group; rank 0 prints progress and the summary and writes the reports.
 """
@@ -103,12 +103,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run this module on ``args.nproc`` local ranks; rank 0 leaves the exit status in a file."""
-    from fsdp_lite.launch import launch_module
+    """Run this module on ``args.nproc`` local ranks; rank 0 leaves the exit status in a file.
+
+    Through torchrun's own entry point, so that judging any FSDP needs nothing but torch installed
+    (fsdp_lite is imported only by its adapters). The ranks get every option but ``--nproc``.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
 
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
         status_file = os.path.join(tmp, "status.json")
-        if not launch_module("conformance", [*argv, "--status-file", status_file], args.nproc):
+        forwarded = [*_without_nproc(argv), "--status-file", status_file]
+        try:
+            torchrun(
+                # --standalone: a c10d rendezvous on a free local port; torchrun also sets
+                # OMP_NUM_THREADS=1 for the ranks, so they do not fight over the cores.
+                ["--standalone", f"--nproc-per-node={args.nproc}", "--module", "conformance"]
+                + forwarded
+            )
+        except ChildFailedError as e:
+            print(f"conformance: a rank failed (its traceback is above)\n{e}", file=sys.stderr)
             return 1
         try:
             with open(status_file) as f:
@@ -116,6 +130,19 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         except (OSError, ValueError, KeyError):
             print("conformance: rank 0 left no status; treating the run as failed", file=sys.stderr)
             return 1
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc N`` / ``--nproc=N``, which only the launching process reads."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 def _cases(args: argparse.Namespace, world_size: int):

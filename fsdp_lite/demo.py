@@ -23,11 +23,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from conformance.models import Block, GPTConfig, TinyLM
 from fsdp_lite import FullyShardedDataParallel, ShardingStrategy
 from fsdp_lite.collectives import all_gather_objects
 from fsdp_lite.launch import launch_module
@@ -126,18 +126,17 @@ def run_rank(args: argparse.Namespace) -> None:
         vocab = sorted(set(text))
         index = {ch: i for i, ch in enumerate(vocab)}
         data = torch.tensor([index[ch] for ch in text], dtype=torch.long)
-        cfg = GPTConfig(
+        cfg = ModelConfig(
             vocab_size=len(vocab),
             seq_len=args.seq_len,
             d_model=args.d_model,
             n_heads=args.heads,
             n_layers=args.layers,
-            d_ff=4 * args.d_model,
         )
         num_params = sum(p.numel() for p in build_model(cfg, args.seed).parameters())
         if rank == 0:
             say(
-                f"fsdp_lite demo: world size {world_size}, TinyLM {args.layers} layers, d_model "
+                f"fsdp_lite demo: world size {world_size}, CharGPT {args.layers} layers, d_model "
                 f"{args.d_model}, vocab {len(vocab)} chars, {num_params:,} params; {args.steps} steps "
                 f"of {args.batch} x {args.seq_len} chars per rank"
             )
@@ -165,13 +164,54 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def build_model(cfg: GPTConfig, seed: int) -> TinyLM:
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+
+
+class CharGPT(nn.Module):
+    """The demo's model: a character-level GPT from torch's own layers (pre-norm causal
+    ``TransformerEncoderLayer`` blocks, the units), its output projection tied to the embedding."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # N(0, 1) would give tied logits of size ~sqrt(d_model) and a first loss near 50; GPT-2's
+        # std 0.02 starts near log(vocab_size).
+        nn.init.normal_(self.tok.weight, std=0.02)
+        self.pos = nn.Parameter(torch.randn(cfg.seq_len, cfg.d_model) * 0.02)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                cfg.d_model,
+                cfg.n_heads,
+                4 * cfg.d_model,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(cfg.n_layers)
+        )
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # tied: one parameter, used twice in one forward
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        length = idx.size(1)
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=idx.device)
+        x = self.tok(idx) + self.pos[:length]
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.head(self.ln_f(x))
+
+
+def build_model(cfg: ModelConfig, seed: int) -> CharGPT:
     torch.manual_seed(seed)  # same weights in every mode and on every rank
-    model = TinyLM(cfg)
-    # The output projection is tied to the embedding, whose N(0, 1) init gives logits of size
-    # ~sqrt(d_model) and a first loss near 50; GPT-2's std 0.02 starts near log(vocab_size).
-    torch.nn.init.normal_(model.tok.weight, std=0.02)
-    return model
+    return CharGPT(cfg)
 
 
 def load_text() -> str:
@@ -189,20 +229,20 @@ def get_batch(
     return chars[:, :-1], chars[:, 1:]
 
 
-def wrap(mode: str, model: TinyLM) -> torch.nn.Module:
+def wrap(mode: str, model: CharGPT) -> torch.nn.Module:
     if mode == "DDP":
         return DistributedDataParallel(model)
     return FullyShardedDataParallel(
         model,
         sharding_strategy=ShardingStrategy[mode],
         auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls={Block}
+            transformer_auto_wrap_policy, transformer_layer_cls={nn.TransformerEncoderLayer}
         ),
     )
 
 
 def train(
-    mode: str, cfg: GPTConfig, data: torch.Tensor, args: argparse.Namespace
+    mode: str, cfg: ModelConfig, data: torch.Tensor, args: argparse.Namespace
 ) -> tuple[list[float], dict[str, torch.Tensor], RunResult]:
     """Train one mode from the seeded init; return its losses, full params after the last step, and stats."""
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -39,7 +39,7 @@ from fsdp_lite import (
     StateDictType,
 )
 from fsdp_lite.collectives import all_gather_objects
-from fsdp_lite.demo import PROCESS_GROUP_TIMEOUT, build_model, human_bytes, say
+from fsdp_lite.demo import PROCESS_GROUP_TIMEOUT, human_bytes, say
 from fsdp_lite.estimate import estimate
 from fsdp_lite.launch import launch_module
 from fsdp_lite.trace import CollectiveTrace, explain, plot_memory, plot_timeline, record_collectives
@@ -49,6 +49,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("NO_SHARD", "SHARD_OPTIM", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 CFG = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)
 BATCH = 4  # sequences per rank per step
+
+
+def build_model(cfg: GPTConfig, seed: int) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM(cfg)
+    # The head is tied to the embedding: GPT-2's std 0.02 starts the loss near log(vocab_size).
+    torch.nn.init.normal_(model.tok.weight, std=0.02)
+    return model
 
 
 @dataclasses.dataclass
@@ -180,7 +188,7 @@ def run_rank(jobs: list[Job], out: Path, steps: int, png: bool) -> None:
 
 
 def wrap(job: Job) -> FullyShardedDataParallel:
-    model = build_model(CFG, seed=0)  # the same weights on every rank, fsdp_lite.demo's init
+    model = build_model(CFG, seed=0)  # the same weights on every rank
     kwargs = {}
     if job.strategy == "HYBRID_SHARD":
         kwargs["device_mesh"] = init_device_mesh(

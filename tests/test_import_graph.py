@@ -110,3 +110,30 @@ def test_the_environment_scan_finds_a_planted_switch(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text('import os\nif os.environ.get("FSDP_LITE_X") == "1":\n    os.getenv("Y")\n')
     assert _environment_reads(planted) == {"FSDP_LITE_X", "Y"}
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """Top-level packages ``path`` imports anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+    return found
+
+
+def test_fsdp_lite_and_conformance_import_each_other_only_through_the_adapters():
+    conformance = PACKAGE.parent / "conformance"
+    library_to_suite = [
+        p.name for p in PACKAGE.glob("*.py") if "conformance" in _imported_packages(p)
+    ]
+    assert not library_to_suite, f"fsdp_lite/ imports its test suite: {library_to_suite}"
+    suite_to_library = [
+        str(p.relative_to(conformance))
+        for p in conformance.rglob("*.py")
+        if "fsdp_lite" in _imported_packages(p) and p.parent.name != "adapters"
+    ]
+    assert not suite_to_library, (
+        f"conformance/ imports fsdp_lite outside adapters/: {suite_to_library}"
+    )
