@@ -41,6 +41,8 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import torch.nn as nn
 
+from fsdp_lite.api import STRATEGY_RULES, ShardingStrategy
+
 __all__ = [
     "Collective",
     "Estimate",
@@ -70,23 +72,35 @@ class Sharding:
     replicate: bool = False  # HYBRID_SHARD: shard within a group, all-reduce grads across groups
 
 
-# SHARD_OPTIM is ZeRO-1; torch FSDP has no such strategy, but the paper's table does. SHARD_GRAD_OP
-# frees params between steps, yet holds them whole from forward through backward: at the step's peak
-# it is ZeRO-2, which is what this counts.
-STRATEGY_SHARDING: tuple[Sharding, ...] = (
-    Sharding("NO_SHARD", "DDP", shards_optim=False, shards_grads=False, shards_params=False),
-    Sharding("SHARD_OPTIM", "ZeRO-1", shards_optim=True, shards_grads=False, shards_params=False),
-    Sharding("SHARD_GRAD_OP", "ZeRO-2", shards_optim=True, shards_grads=True, shards_params=False),
-    Sharding("FULL_SHARD", "ZeRO-3", shards_optim=True, shards_grads=True, shards_params=True),
-    Sharding(
-        "HYBRID_SHARD",
-        "ZeRO-3 x R",
-        shards_optim=True,
-        shards_grads=True,
-        shards_params=True,
-        replicate=True,
-    ),
-)
+# The ZeRO paper's name for each strategy the planner models, in the order its tables list them.
+ZERO_NAMES = {
+    "NO_SHARD": "DDP",
+    "SHARD_OPTIM": "ZeRO-1",
+    "SHARD_GRAD_OP": "ZeRO-2",
+    "FULL_SHARD": "ZeRO-3",
+    "HYBRID_SHARD": "ZeRO-3 x R",
+}
+
+
+def _sharding(name: str) -> Sharding:
+    """What ``name`` shards at the step's peak, read from the engine's own table (api.py).
+
+    The optimizer steps the shards whenever params are sharded at rest; gradients are 1/N when
+    reduce-scattered; params are 1/N at the peak only if freed after forward. SHARD_GRAD_OP frees
+    params between steps, yet holds them whole from forward through backward: ZeRO-2 at the peak.
+    """
+    rules = STRATEGY_RULES[ShardingStrategy[name]]
+    return Sharding(
+        name,
+        ZERO_NAMES[name],
+        shards_optim=rules.shard_params,
+        shards_grads=rules.grad_reduce == "reduce_scatter",
+        shards_params=rules.shard_params and rules.reshard_after_forward,
+        replicate=rules.replicate,
+    )
+
+
+STRATEGY_SHARDING: tuple[Sharding, ...] = tuple(_sharding(name) for name in ZERO_NAMES)
 
 
 @dataclass(frozen=True)
