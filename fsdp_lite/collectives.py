@@ -9,19 +9,17 @@ per-parameter functions at the bottom are the plain versions the flat ones are t
 
 from __future__ import annotations
 
-import contextlib
 import pickle
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "ALL_GATHER_BY_SENDS",
+    "BACKEND",
     "AllGatherResult",
-    "REDUCE_SCATTER_BY_SENDS",
     "ReduceResult",
+    "Transport",
     "all_gather",
     "all_gather_buffers",
     "all_gather_objects",
@@ -29,7 +27,6 @@ __all__ = [
     "all_gather_copy_out",
     "all_gather_per_param",
     "all_reduce",
-    "backend_collectives",
     "grad_divide_factors",
     "reduce_scatter",
     "reduce_scatter_copy_in",
@@ -46,7 +43,7 @@ class AllGatherResult:
     """An all-gather in flight: ``wait()`` before reading ``all_gather_output``."""
 
     all_gather_output: torch.Tensor  # 1D, world_size * unit_shard_numel
-    # The collective's work, or one per send and receive (ALL_GATHER_BY_SENDS); empty once done.
+    # The collective's work, or one per send and receive (all_gather_by_sends); empty once done.
     works: list[dist.Work] = field(default_factory=list)
 
     def wait(self) -> torch.Tensor:
@@ -62,7 +59,7 @@ class ReduceResult:
 
     output: torch.Tensor  # 1D: reduce_scatter_output (unit_shard_numel) or the all-reduced grads
     input: torch.Tensor  # kept alive until the collective finishes
-    # The collective's work, or one per send and receive (REDUCE_SCATTER_BY_SENDS); empty once done.
+    # The collective's work, or one per send and receive (reduce_scatter_by_sends); empty once done.
     works: list[dist.Work] = field(default_factory=list)
     # A reduce-scatter done by sends: the peer's row for this rank, which wait() adds to
     # ``output`` (this rank's own row).
@@ -79,36 +76,38 @@ class ReduceResult:
         return self.output
 
 
-# Backends whose all-gather is slower than sending the rows directly: there each rank sends its
-# row of the output to every other rank and receives theirs into their rows. The same bytes as a
-# ring all-gather, (N-1)/N of the output, and the same result (it only moves data). Measured on
-# gloo over loopback (scripts/bench_collectives.py, docs/performance.md): a 3.5 MB shard at 2
-# ranks, all-gather 5.8 ms, sends 3.7 ms; a 1.8 MB shard at 4 ranks, 11.1 ms against 6.0 ms.
-ALL_GATHER_BY_SENDS: set[str] = {"gloo"}
+@dataclass(frozen=True)
+class Transport:
+    """How the flat all-gather and reduce-scatter move data; chosen once per unit (``choose``).
 
-# Backends whose reduce-scatter is slower than sending the rows directly: there, in a group of 2,
-# each rank sends the other's row of its buffer and adds the row it receives. The same bytes as a
-# reduce-scatter, (N-1)/N of the buffer, and the same sum (a + b = b + a, bitwise). Measured on
-# gloo, 2 ranks, loopback (scripts/bench_collectives.py): 3.5 MB rows, reduce-scatter 12.2 ms,
-# all-reduce of the buffer 8.0 ms, sends 4.8 ms. Larger groups keep the backend's reduce-scatter: summing N > 2 rows in another order
-# than its ring changes low-precision results (1e-3 in bf16 after 3 steps at 3 ranks), and
-# bitwise parity with native FSDP is worth more there.
-REDUCE_SCATTER_BY_SENDS: set[str] = {"gloo"}
+    all_gather_by_sends: each rank sends its row of the output to every other rank and receives
+        theirs into their rows. The same bytes as a ring all-gather, (N-1)/N of the output, and
+        the same result (it only moves data). Measured on gloo over loopback
+        (scripts/bench_collectives.py, docs/performance.md): a 3.5 MB shard at 2 ranks,
+        all-gather 5.8 ms, sends 3.7 ms; a 1.8 MB shard at 4 ranks, 11.1 ms against 6.0 ms.
+    reduce_scatter_by_sends: in a group of 2, each rank sends the other's row of its buffer and
+        adds the row it receives. The same bytes and the same sum (a + b = b + a, bitwise).
+        Measured on gloo, 2 ranks: 3.5 MB rows, reduce-scatter 12.2 ms, all-reduce of the buffer
+        8.0 ms, sends 4.8 ms. Larger groups keep the backend's reduce-scatter: summing N > 2 rows
+        in another order than its ring changes low-precision results (1e-3 in bf16 after 3 steps
+        at 3 ranks), and bitwise parity with native FSDP is worth more there.
+    """
+
+    all_gather_by_sends: bool = False
+    reduce_scatter_by_sends: bool = False
+
+    @staticmethod
+    def choose(group: dist.ProcessGroup, device: torch.device) -> Transport:
+        """Sends where they were measured faster: gloo, CPU tensors (its point-to-point takes no
+        others), and for the reduce-scatter groups of 2."""
+        gloo_cpu = device.type == "cpu" and dist.get_backend(group) == "gloo"
+        return Transport(
+            all_gather_by_sends=gloo_cpu,
+            reduce_scatter_by_sends=gloo_cpu and dist.get_world_size(group) == 2,
+        )
 
 
-@contextlib.contextmanager
-def backend_collectives() -> Iterator[None]:
-    """Inside the block every backend runs its own all-gather and reduce-scatter, not sends: to
-    measure or check one against the other."""
-    by_sends = (ALL_GATHER_BY_SENDS, REDUCE_SCATTER_BY_SENDS)
-    saved = [set(backends) for backends in by_sends]
-    for backends in by_sends:
-        backends.clear()
-    try:
-        yield
-    finally:
-        for backends, kept in zip(by_sends, saved):
-            backends.update(kept)
+BACKEND = Transport()  # the backend's own all-gather and reduce-scatter, everywhere
 
 
 # Point-to-point tags, one per kind, so that a gather's messages can never be matched with a
@@ -151,9 +150,11 @@ def all_gather(
     group: dist.ProcessGroup,
     async_op: bool = False,
     all_gather_output: torch.Tensor | None = None,
+    transport: Transport | None = None,
 ) -> AllGatherResult:
     """Concatenate every rank's ``all_gather_input`` in rank order (into ``all_gather_output``
     if given, which may hold the input in this rank's slot: see ``all_gather_buffers``).
+    ``transport`` default: ``Transport.choose`` for the group and the input's device.
 
     2 ranks, one unit of two parameters, shard numels 2 and 1:
       rank 0 all_gather_input [a0 a1 | b0]    rank 1 all_gather_input [a2 a3 | b1]
@@ -162,7 +163,8 @@ def all_gather(
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if all_gather_output is None:
         all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
-    if _by_sends(ALL_GATHER_BY_SENDS, group, all_gather_output):
+    transport = transport or Transport.choose(group, all_gather_input.device)
+    if transport.all_gather_by_sends:
         rows = all_gather_output.view(world_size, -1)  # (N, numel): row r is rank r's input
         if not _same_memory(rows[rank], all_gather_input):
             rows[rank].copy_(all_gather_input)
@@ -178,11 +180,6 @@ def all_gather(
     if not async_op:
         result.wait()
     return result
-
-
-def _by_sends(backends: set[str], group: dist.ProcessGroup, buffer: torch.Tensor) -> bool:
-    # Measured for CPU tensors only; gloo's point-to-point takes no others.
-    return buffer.device.type == "cpu" and dist.get_backend(group) in backends
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -244,16 +241,21 @@ def reduce_scatter_copy_in(
 
 
 def reduce_scatter(
-    reduce_scatter_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    reduce_scatter_input: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool = False,
+    transport: Transport | None = None,
 ) -> ReduceResult:
-    """Sum row r of every rank's ``reduce_scatter_input`` onto rank r.
+    """Sum row r of every rank's ``reduce_scatter_input`` onto rank r (``transport`` as for
+    ``all_gather``).
 
     2 ranks, reduce_scatter of a 4-element gradient:
       rank 0 reduce_scatter_input [1, 2, 3, 4]    rank 1 reduce_scatter_input [5, 6, 7, 8]
       rank 0 reduce_scatter_output [6, 8]         rank 1 reduce_scatter_output [10, 12]
     """
     world_size = dist.get_world_size(group)
-    if _by_sends(REDUCE_SCATTER_BY_SENDS, group, reduce_scatter_input) and world_size == 2:
+    transport = transport or Transport.choose(group, reduce_scatter_input.device)
+    if transport.reduce_scatter_by_sends and world_size == 2:
         result = _reduce_scatter_by_sends(reduce_scatter_input, group)
         if not async_op:
             result.wait()

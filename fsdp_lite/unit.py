@@ -151,6 +151,9 @@ class ShardedUnit:
         # Modules this unit leaves out beyond its parent's (a policy's override): the parent
         # unit takes their params, as in torch FSDP1 (construct._ignored_by_nested).
         self.ignored_modules: frozenset = frozenset()
+        # How the collectives move data: sends where measured faster (collectives.Transport),
+        # chosen once here; scripts/bench.py sets collectives.BACKEND to compare.
+        self.transport = collectives.Transport.choose(group, self.compute_device)
         self.shard_numels = [p.shard_numel for p in params]
         self.unit_shard_numel = sum(self.shard_numels)
 
@@ -246,6 +249,7 @@ class ShardedUnit:
                 self.group,
                 async_op=async_op,
                 all_gather_output=all_gather_output,
+                transport=self.transport,
             )
         self._gathering_on_side_stream = side is not None
 
@@ -369,7 +373,9 @@ class ShardedUnit:
             reduce_scatter_input.div_(pre)
             kind = "reduce_scatter"
             self._record(kind, "backward", reduce_scatter_input)
-            result = collectives.reduce_scatter(reduce_scatter_input, self.group, async_op=True)
+            result = collectives.reduce_scatter(
+                reduce_scatter_input, self.group, async_op=True, transport=self.transport
+            )
             for p in self.trainable:
                 p.unsharded_param.grad = None  # its data now lives in reduce_scatter_input
         else:
@@ -449,7 +455,7 @@ class ShardedUnit:
         """
         all_gather_input = offload.to_device(torch.cat(sharded_flats), self.compute_device)
         self._record("all_gather", phase, all_gather_input)
-        result = collectives.all_gather(all_gather_input, self.group)
+        result = collectives.all_gather(all_gather_input, self.group, transport=self.transport)
         self._record_done("all_gather")
         if not keep:
             return [None] * len(self.params)

@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from conformance.models import Block, GPTConfig, TinyLM  # noqa: E402
 from fsdp_lite import collectives  # noqa: E402
 from fsdp_lite.demo import storage_nbytes  # noqa: E402
+from fsdp_lite.unit import unit_owners  # noqa: E402
 
 MiB = 1024**2
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
@@ -75,7 +76,7 @@ class SystemSpec:
     theory: tuple[int, int, int] = (0, 0, 0)
     replicas: int = 1  # HYBRID_SHARD: the shard group is world_size / replicas ranks
     # On gloo fsdp_lite all-gathers and reduce-scatters by sending rows directly, where that is
-    # faster (collectives.ALL_GATHER_BY_SENDS, REDUCE_SCATTER_BY_SENDS); True forces the backend's
+    # faster (collectives.Transport.choose); True sets collectives.BACKEND on every unit, the backend's
     # own collectives, to measure both on one machine.
     backend_collectives: bool = False
 
@@ -195,6 +196,9 @@ def build_system(
             else None,
             **kwargs,
         )
+    if spec.backend_collectives:  # the /collectives variant: the backend's own collectives
+        for owner in unit_owners(model):
+            owner._unit.transport = collectives.BACKEND
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     return System(spec, model, optim, autocast)
 
@@ -214,13 +218,10 @@ def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> f
     cast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if system.autocast else contextlib.nullcontext()
     )
-    # The /collectives variant: every backend runs its own all-gather and reduce-scatter.
-    own = system.spec.backend_collectives
-    with collectives.backend_collectives() if own else contextlib.nullcontext():
-        with cast:
-            logits = system.model(inputs)  # (batch, seq_len, vocab_size)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
+    with cast:
+        logits = system.model(inputs)  # (batch, seq_len, vocab_size)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss.backward()
     system.optim.step()
     return loss.item()
 
@@ -414,7 +415,7 @@ def measure_system(system: System, args, cfg: GPTConfig, next_step: int) -> dict
         group_sizes = {"all_gather": shard_size, "reduce_scatter": shard_size}
         group_sizes["all_reduce"] = spec.replicas if spec.replicas > 1 else world_size
         sent = trace_sent_nbytes(records.records, group_sizes)
-        # Done by sends on gloo (collectives.*_BY_SENDS): the same bytes, counted as sends.
+        # Done by sends on gloo (collectives.Transport): the same bytes, counted as sends.
         for kind in ("all_gather", "reduce_scatter"):
             if kind in sent and kind not in counter.sent_nbytes and "send" in counter.sent_nbytes:
                 sent["send"] = sent.get("send", 0.0) + sent.pop(kind)

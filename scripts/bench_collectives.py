@@ -5,7 +5,7 @@
 For each shard numel (fp32; the defaults are a 6-block GPT's block and root shards at 2 ranks,
 scripts/bench.py's model) it times ``fsdp_lite.collectives.all_gather`` (in place, as a unit does)
 and ``reduce_scatter``, each with the backend's own collective and with sends
-(``ALL_GATHER_BY_SENDS``, ``REDUCE_SCATTER_BY_SENDS``), and ``all_reduce`` of the same buffer,
+(``collectives.Transport``: all_gather_by_sends, reduce_scatter_by_sends), and ``all_reduce`` of the same buffer,
 alternating the variants so that machine load falls on each alike. It checks that both ways give
 the same bits, and prints rank 0's median and quartiles in milliseconds (async issue to wait
 return). docs/performance.md quotes its output.
@@ -14,7 +14,6 @@ return). docs/performance.md quotes its output.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -28,21 +27,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_lite import collectives  # noqa: E402
 
 
-def all_gather(shard: torch.Tensor) -> torch.Tensor:
+def all_gather(shard: torch.Tensor, transport: collectives.Transport | None) -> torch.Tensor:
     group = dist.group.WORLD
     slot, output = collectives.all_gather_buffers(shard.numel(), group, shard.dtype, shard.device)
     slot.copy_(shard)
-    collectives.all_gather(slot, group, async_op=True, all_gather_output=output).wait()
+    collectives.all_gather(
+        slot, group, async_op=True, all_gather_output=output, transport=transport
+    ).wait()
     return output
 
 
-def reduce_scatter(shard: torch.Tensor) -> torch.Tensor:
+def reduce_scatter(shard: torch.Tensor, transport: collectives.Transport | None) -> torch.Tensor:
     world_size = dist.get_world_size()
     buffer = shard.repeat(world_size)  # a fresh (N * numel) input, as each backward packs one
-    return collectives.reduce_scatter(buffer, dist.group.WORLD, async_op=True).wait()
+    return collectives.reduce_scatter(
+        buffer, dist.group.WORLD, async_op=True, transport=transport
+    ).wait()
 
 
-def all_reduce(shard: torch.Tensor) -> torch.Tensor:
+def all_reduce(shard: torch.Tensor, transport: collectives.Transport | None) -> torch.Tensor:
     buffer = shard.repeat(dist.get_world_size())
     return collectives.all_reduce(buffer, dist.group.WORLD, async_op=True).wait()
 
@@ -71,15 +74,11 @@ def main() -> None:
         results = {}
         for it in range(args.iters + 2):  # 2 warm-up rounds
             for op, way, fn in variants:
-                with (
-                    collectives.backend_collectives()
-                    if way == "backend"
-                    else contextlib.nullcontext()
-                ):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    out = fn(shard)
-                    elapsed = time.perf_counter() - start
+                transport = collectives.BACKEND if way == "backend" else None  # None: sends
+                dist.barrier()
+                start = time.perf_counter()
+                out = fn(shard, transport)
+                elapsed = time.perf_counter() - start
                 if it >= 2:
                     times[(op, way)].append(elapsed * 1000)
                 results[(op, way)] = out

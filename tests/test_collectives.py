@@ -102,11 +102,12 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     in_place_input.copy_(all_gather_input)
     collectives.all_gather(in_place_input, group, all_gather_output=in_place_output)
     seen["in_place_all_gather_output"] = in_place_output.clone()
-    # On gloo the above ran as sends (ALL_GATHER_BY_SENDS); now the backend's own all-gather.
-    with collectives.backend_collectives():
-        native = collectives.all_gather(all_gather_input, group, async_op=True)
-        seen["native_all_gather_works"] = len(native.works)
-        seen["native_all_gather_output"] = native.wait().clone()
+    # On gloo the above ran as sends (Transport.choose); now the backend's own all-gather.
+    native = collectives.all_gather(
+        all_gather_input, group, async_op=True, transport=collectives.BACKEND
+    )
+    seen["native_all_gather_works"] = len(native.works)
+    seen["native_all_gather_output"] = native.wait().clone()
 
     # reduce-scatter: copy_in, divide, one flat collective; then the plain version per parameter.
     grads = _unsharded_grads(rank)
@@ -127,10 +128,9 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     seen["reduce_scatter_by_sends"] = async_result.received is not None
     seen["async_reduce_scatter_works"] = len(async_result.works)
     seen["async_reduce_scatter_output"] = async_result.wait().clone().div_(post)
-    # On gloo at 2 ranks the above ran as sends (REDUCE_SCATTER_BY_SENDS); now the real one.
-    with collectives.backend_collectives():
-        native = collectives.reduce_scatter(native_input, group)
-        seen["native_reduce_scatter_output"] = native.wait().clone().div_(post)
+    # On gloo at 2 ranks the above ran as sends (Transport.choose); now the real one.
+    native = collectives.reduce_scatter(native_input, group, transport=collectives.BACKEND)
+    seen["native_reduce_scatter_output"] = native.wait().clone().div_(post)
 
     # all-reduce (NO_SHARD): the divided, concatenated grads, summed in place.
     flat_grads = torch.cat([g.reshape(-1) for g in grads]).div_(pre)  # 1D, sum of numels
