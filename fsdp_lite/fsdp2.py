@@ -153,6 +153,8 @@ def fully_shard(
     # A collective, after every argument was checked: different models fail here on every rank.
     _check_same_model_across_ranks(module, config)
     unit = _build_unit(module, config)
+    # torch: None frees after forward except at the root; True frees at the root too.
+    unit.root_keeps_params = reshard_after_forward is None
     module._unit = unit  # its owner now: what unit.owns_unit recognizes
     module._config = config
     module._mp_policy = mp_policy
@@ -327,12 +329,13 @@ class FSDPModule(TorchFSDPModule):
             m._unit.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether forward frees the unsharded params (the root keeps its either way)."""
+        """Whether forward frees the unsharded params (the root's too, as an explicit True does)."""
         for m in self._owners(recurse):
             unit = m._unit
             unit.rules = dataclasses.replace(
                 unit.rules, reshard_after_forward=reshard_after_forward
             )
+            unit.root_keeps_params = False
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True

@@ -205,7 +205,8 @@ class StepRuntime:
         self._record_order(self.post_forward_order, self._post_position, unit)
         grad_enabled = torch.is_grad_enabled()
         # The root's params are needed first thing in backward, so it keeps them (as torch does).
-        if not grad_enabled or (unit.rules.reshard_after_forward and not unit.is_root):
+        keeps = unit.is_root and unit.root_keeps_params
+        if not grad_enabled or (unit.rules.reshard_after_forward and not keeps):
             unit.reshard()
         unit.training_state = TrainingState.IDLE
         if grad_enabled:

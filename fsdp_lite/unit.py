@@ -144,6 +144,9 @@ class ShardedUnit:
         # False (no_sync, set_requires_gradient_sync): backward keeps the unsharded gradients,
         # to accumulate, and reduces nothing.
         self.requires_gradient_sync = True
+        # As the root, keep the unsharded params after forward (backward starts with them);
+        # FSDP2's explicit reshard_after_forward=True on the root frees them.
+        self.root_keeps_params = True
         # Units to prefetch from this one's pre-forward / pre-backward, set explicitly (FSDP2's
         # set_modules_to_forward_prefetch); None: the next in the recorded order.
         self.forward_prefetch_units: list[ShardedUnit] | None = None

@@ -114,6 +114,18 @@ def _check_explicit_prefetch_and_reshard_after_forward(rank, world_size):
     _assert_same(runs["fsdp_lite"], runs["torch"], "explicit prefetch")
     kept = {name: _train(_sharded(api, reshard_after_forward=False), rank, world_size) for name, api in APIS.items()}  # fmt: skip
     _assert_same(kept["fsdp_lite"], kept["torch"], "reshard_after_forward=False")
+    # After a forward the root holds its unsharded params under None, its shards under True.
+    x, _ = rank_batch("lm", 0, rank, world_size)
+    for setting in (None, True, False):
+        held = {}
+        for name, api in APIS.items():
+            model = _sharded(api, reshard_after_forward=setting)
+            model(x)
+            held[name] = (
+                isinstance(model.pos, DTensor),
+                isinstance(model.blocks[0].qkv.weight, DTensor),
+            )
+        assert held["fsdp_lite"] == held["torch"], (setting, held)
 
 
 def _check_meta_init(rank, world_size):
