@@ -111,7 +111,8 @@ def fully_shard(
     """Shard ``module``'s parameters (those not already in a sharded submodule) across ``mesh``.
 
     Args:
-        module: the module; called bottom-up (blocks first, then the root), as in torch.
+        module: the module, called bottom-up (blocks first, then the root), as in torch; or a
+            list of modules sharing one unit (e.g. a tied embedding and output head).
         mesh: a 1-D mesh to shard over, or a 2-D (replicate, shard) mesh for HSDP. Default: every
             rank, on the default process group's device type.
         reshard_after_forward: True frees the unsharded params after forward (ZeRO-3), False
@@ -122,51 +123,66 @@ def fully_shard(
         ignored_params: parameters left alone: not sharded, not reduced.
 
     Returns:
-        ``module`` itself, its class now ``FSDP<Orig>`` (an ``FSDPModule`` and an ``Orig``).
+        ``module`` itself, its class now ``FSDP<Orig>`` (an ``FSDPModule`` and an ``Orig``); for
+        a list, every member's is.
 
     Raises:
-        NotImplementedError: what is not built (a list of modules, an int
-            ``reshard_after_forward``, a placement other than ``Shard(0)``), before any collective.
+        NotImplementedError: what is not built (an int ``reshard_after_forward``, a placement
+            other than ``Shard(0)``), before any collective.
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fully_shard of a list of modules (one group for several modules) is not built yet; "
-            "shard their common parent instead"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if owns_unit(module):
-        raise ValueError(f"{type(module).__name__} is already sharded (fully_shard called twice)")
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Modules, got {type(m).__name__}")
+        if owns_unit(m):
+            raise ValueError(f"{type(m).__name__} is already sharded (fully_shard called twice)")
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             "reshard_after_forward as an int (resharding to a smaller group) is not built yet"
         )
-    config = _config(module, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    # A list is one unit over all its modules' params (e.g. a tied embedding and output head);
+    # the ModuleList is only the tree the unit is built from, no module's new parent.
+    tree = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+    config = _config(tree, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
     if shard_placement_fn is not None:
-        for name, param in module.named_parameters():
+        for name, param in tree.named_parameters():
             placement = shard_placement_fn(param)
             if placement is not None and placement != Shard(0):
                 raise NotImplementedError(
                     f"shard_placement_fn gave {name!r} {placement}; only Shard(0) is built"
                 )
-    _move_to_device(module, config)
+    _move_to_device(tree, config)
     # A collective, after every argument was checked: different models fail here on every rank.
-    _check_same_model_across_ranks(module, config)
-    unit = _build_unit(module, config)
+    _check_same_model_across_ranks(tree, config)
+    unit = _build_unit(tree, config)
     # torch: None frees after forward except at the root; True frees at the root too.
     unit.root_keeps_params = reshard_after_forward is None
-    module._unit = unit  # its owner now: what unit.owns_unit recognizes
-    module._config = config
-    module._mp_policy = mp_policy
     register_grad_hooks(unit, unit.params)
     for p in unit.params:
         p.point_modules_to(p.sharded_param)
-    module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(_post_forward)
-    module.register_state_dict_pre_hook(_state_dict_pre_hook)
-    module.register_load_state_dict_post_hook(_load_state_dict_post_hook)
-    module.__class__ = _fsdp_class(type(module))
+    group = _Group(tuple(modules)) if len(modules) > 1 else None
+    for m in modules:
+        m._unit = unit  # its owner now: what unit.owns_unit recognizes (every member of a group)
+        m._config = config
+        m._mp_policy = mp_policy
+        m._fsdp_group = group
+        m.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
+        m.register_forward_hook(_post_forward)
+        m.register_state_dict_pre_hook(_state_dict_pre_hook)
+        m.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+        m.__class__ = _fsdp_class(type(m))
     return module
+
+
+@dataclass
+class _Group:
+    """The modules of one ``fully_shard([...])`` call: one unit, unsharded at the first member's
+    forward and resharded after the last's (``pending`` holds those still to run)."""
+
+    members: tuple[nn.Module, ...]
+    pending: set = dataclasses.field(default_factory=set)
 
 
 def _config(
@@ -244,14 +260,25 @@ def _leave_uninitialized(module: nn.Module) -> None:
 def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     unit: ShardedUnit = module._unit
     runtime = lazy_init(module)  # the first FSDPModule to run is the root
-    args, kwargs = runtime.pre_forward(unit, args, kwargs)
+    group: _Group | None = module._fsdp_group
+    if group is None or unit.training_state != TrainingState.FORWARD:
+        args, kwargs = runtime.pre_forward(unit, args, kwargs)
+        if group is not None and unit.training_state == TrainingState.FORWARD:
+            group.pending = set(group.members)  # this forward's first member unsharded the unit
     if unit.precision.cast_forward_inputs and unit.precision.param_dtype is not None:
         args, kwargs = cast_floating(unit.precision.param_dtype, (args, kwargs))
     return args, kwargs
 
 
 def _post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
-    output = module._unit.runtime.post_forward(module._unit, output)
+    unit: ShardedUnit = module._unit
+    group: _Group | None = module._fsdp_group
+    if group is not None and unit.training_state == TrainingState.FORWARD:
+        group.pending.discard(module)
+        if group.pending:  # members still to run keep the unit unsharded
+            unit.runtime.register_pre_backward(unit, output)
+            return cast_floating(module._mp_policy.output_dtype, output)
+    output = unit.runtime.post_forward(unit, output)
     return cast_floating(module._mp_policy.output_dtype, output)
 
 

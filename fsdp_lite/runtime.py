@@ -63,10 +63,12 @@ def lazy_init(root: nn.Module) -> StepRuntime:
     if root._unit.runtime is not None:
         return root._unit.runtime
     owners = [(name, m) for name, m in root.named_modules() if owns_unit(m)]
-    for name, owner in owners:
-        owner._unit.is_root = owner is root
+    for name, owner in reversed(owners):  # a unit owned by several modules (FSDP2's list
+        owner._unit.is_root = False  # groups) is named by the first of them, in pre-order
         owner._unit.name = clean_name(name)
-    units = [owner._unit for _, owner in reversed(owners)]  # children before parents
+    root._unit.is_root = True
+    # children before parents, each unit once
+    units = list(dict.fromkeys(owner._unit for _, owner in reversed(owners)))
     runtime = StepRuntime(units)
     shared = side_streams(root._unit.compute_device)  # None on CPU
     for unit in units:
@@ -210,12 +212,13 @@ class StepRuntime:
             unit.reshard()
         unit.training_state = TrainingState.IDLE
         if grad_enabled:
-            self._register_pre_backward(unit, output)
+            self.register_pre_backward(unit, output)
         return output
 
     # ---- backward ----------------------------------------------------------------------------
 
-    def _register_pre_backward(self, unit: ShardedUnit, output) -> None:
+    def register_pre_backward(self, unit: ShardedUnit, output) -> None:
+        """Run ``pre_backward(unit)`` when the first gradient of ``output``'s tensors arrives."""
         tensors, _ = tree_flatten(output)
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.requires_grad:

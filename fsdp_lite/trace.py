@@ -292,7 +292,7 @@ def record_collectives(
     Returns:
         The ``CollectiveTrace`` that fills up while the block runs (read it after).
     """
-    wrappers = unit_owners(model)
+    wrappers = _one_owner_per_unit(model)
     for w in wrappers:
         lazy_init(w)
     trace = CollectiveTrace(
@@ -312,6 +312,16 @@ def record_collectives(
             w._unit.trace = None
 
 
+def _one_owner_per_unit(model: nn.Module) -> list[nn.Module]:
+    """The wrappers in ``model``, one per unit (an FSDP2 list group is several modules, one unit)."""
+    seen, owners = set(), []
+    for owner in unit_owners(model):
+        if owner._unit not in seen:
+            seen.add(owner._unit)
+            owners.append(owner)
+    return owners
+
+
 def explain(model: nn.Module) -> str:
     """The sharding plan of a wrapped model, one block per unit, as a table.
 
@@ -319,7 +329,7 @@ def explain(model: nn.Module) -> str:
     the padded shard numel every rank sends, and the padding. Run it on any rank; the numbers
     are this rank's.
     """
-    wrappers = unit_owners(model)
+    wrappers = _one_owner_per_unit(model)
     lines = []
     for w in wrappers:
         lazy_init(w)

@@ -128,6 +128,29 @@ def _check_explicit_prefetch_and_reshard_after_forward(rank, world_size):
         assert held["fsdp_lite"] == held["torch"], (setting, held)
 
 
+def _check_list_group(rank, world_size):
+    """torchtitan's tied case: the embedding, the final norm and the head it shares a weight with,
+    one fully_shard([...]) group, between the blocks and the root."""
+
+    def grouped(api, precision):
+        model = build_model("lm")  # head.weight is tok.weight
+        kw = {"mp_policy": api.MixedPrecisionPolicy(**precision)} if precision else {}
+        for block in model.blocks:
+            api.fully_shard(block, **kw)
+        api.fully_shard([model.tok, model.ln_f, model.head], **kw)
+        api.fully_shard(model, **kw)
+        return model
+
+    for what, precision in (("fp32", None), ("bf16 params, fp32 reduce", BF16)):
+        runs = {
+            name: _train(grouped(api, precision), rank, world_size) for name, api in APIS.items()
+        }
+        _assert_same(runs["fsdp_lite"], runs["torch"], f"list group, {what}")
+    model = grouped(fsdp_lite, None)
+    assert model.tok._unit is model.head._unit is model.ln_f._unit, "one unit for the group"
+    assert isinstance(model.head, fsdp_lite.FSDPModule)
+
+
 def _check_meta_init(rank, world_size):
     """Build on meta, shard, then to_empty and initialize the shards, as torchtitan does."""
     runs = {}
@@ -195,8 +218,6 @@ def _check_contracts(rank, world_size):
     assert "blocks.1" in explain(model)
     with pytest.raises(NotImplementedError, match="set_gradient_divide_factor"):
         model.set_gradient_divide_factor(1.0)
-    with pytest.raises(NotImplementedError, match="list of modules"):
-        fsdp_lite.fully_shard([build_model("mlp").fc1, build_model("mlp").fc2])
 
 
 def _check_dcp_full_state_dicts(rank, world_size):
@@ -244,6 +265,7 @@ CHECKS = {
     "training": _check_training,
     "gradient_accumulation": _check_gradient_accumulation,
     "explicit_prefetch": _check_explicit_prefetch_and_reshard_after_forward,
+    "list_group": _check_list_group,
     "meta_init": _check_meta_init,
     "contracts": _check_contracts,
     "dcp_full_state_dicts": _check_dcp_full_state_dicts,
