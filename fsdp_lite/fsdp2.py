@@ -383,6 +383,21 @@ class FSDPModule(TorchFSDPModule):
         """Start these modules' all-gathers in this module's pre-backward, instead of the next's."""
         self._unit.backward_prefetch_units = [_unit_of(m) for m in modules]
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Sum this module's gradients over the ranks, then divide by ``factor`` (1.0: the sum)."""
+        self._unit.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's older name for ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: fsdp_lite's collectives always sum, and divide in separate steps."""
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """The next forward's first all-gather here waits for ``event`` (an optimizer step's)."""
+        self._unit.post_optim_event = event
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Only True is built: every backward ends by landing its gradients."""
         if not is_last_backward:
@@ -443,10 +458,6 @@ for _name in (
     "set_custom_all_gather",
     "set_custom_reduce_scatter",
     "set_all_reduce_hook",
-    "set_post_optim_event",
-    "set_reduce_scatter_divide_factor",
-    "set_gradient_divide_factor",
-    "set_force_sum_reduction_for_comms",
     "set_reduce_scatter_unused_params",
     "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",

@@ -169,6 +169,10 @@ class StepRuntime:
             return args, kwargs
         unit.assert_state(TrainingState.IDLE)
         self._record_order(self.forward_order, self._position, unit)
+        if unit.post_optim_event is not None:
+            # Queue the gather after the optimizer step that recorded it, not after everything.
+            unit.post_optim_event.wait()
+            unit.post_optim_event = None
         unit.training_state = TrainingState.FORWARD
         unit.unshard("forward")
         unit.wait_for_unshard()

@@ -147,6 +147,11 @@ class ShardedUnit:
         # As the root, keep the unsharded params after forward (backward starts with them);
         # FSDP2's explicit reshard_after_forward=True on the root frees them.
         self.root_keeps_params = True
+        # None: average over the data-parallel ranks; else sum, then divide by this (FSDP2's
+        # set_gradient_divide_factor; 1.0 when the loss is already normalized globally).
+        self.gradient_divide_factor: float | None = None
+        # An event the next forward's first all-gather waits for (FSDP2's set_post_optim_event).
+        self.post_optim_event = None
         # Units to prefetch from this one's pre-forward / pre-backward, set explicitly (FSDP2's
         # set_modules_to_forward_prefetch); None: the next in the recorded order.
         self.forward_prefetch_units: list[ShardedUnit] | None = None
@@ -368,6 +373,8 @@ class ShardedUnit:
         filled.append(had_grad.to(filled[0].device).expand(self.world_size, -1).contiguous())
         replicas = dist.get_world_size(self.replicate_group) if self.replicate_group else 1
         pre, post = collectives.grad_divide_factors(self.world_size * replicas)
+        if self.gradient_divide_factor is not None:  # FSDP2's set_gradient_divide_factor
+            pre, post = 1.0, self.gradient_divide_factor  # the plain sum, then one division
         if self.rules.grad_reduce == "reduce_scatter":
             numel = sum(p.shard_numel for p in self.trainable) + len(self.trainable)
             # The copy-in casts to reduce_dtype; dividing after the cast is what torch FSDP does.

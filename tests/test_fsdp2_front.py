@@ -90,6 +90,21 @@ def _check_training(rank, world_size):
         _assert_same(runs["fsdp_lite"], runs["torch"], what, rtol=tol, atol=tol)
 
 
+def _check_summed_gradients(rank, world_size):
+    """torchtitan's disable_fsdp_gradient_division: every module sums, dividing by 1."""
+
+    def summing(api):
+        model = _sharded(api)
+        for module in model.modules():
+            if isinstance(module, api.FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    runs = {name: _train(summing(api), rank, world_size) for name, api in APIS.items()}
+    _assert_same(runs["fsdp_lite"], runs["torch"], "set_gradient_divide_factor(1.0)")
+
+
 def _check_gradient_accumulation(rank, world_size):
     def sync(model, last):
         model.set_requires_gradient_sync(last)
@@ -216,8 +231,19 @@ def _check_contracts(rank, world_size):
     for unit in ("blocks.0", "blocks.1"):
         assert {("all_gather", unit, "forward"), ("reduce_scatter", unit, "backward")} <= seen, seen
     assert "blocks.1" in explain(model)
-    with pytest.raises(NotImplementedError, match="set_gradient_divide_factor"):
-        model.set_gradient_divide_factor(1.0)
+    with pytest.raises(NotImplementedError, match="set_unshard_in_backward"):
+        model.set_unshard_in_backward(False)
+
+    class Event:  # what set_post_optim_event needs of an event: wait()
+        waited = 0
+
+        def wait(self):
+            Event.waited += 1
+
+    model.set_post_optim_event(Event())
+    model(x)
+    model(x)
+    assert Event.waited == 1, "the next forward waits for the event once"
 
 
 def _check_dcp_full_state_dicts(rank, world_size):
@@ -264,6 +290,7 @@ def _check_dcp_full_state_dicts(rank, world_size):
 CHECKS = {
     "training": _check_training,
     "gradient_accumulation": _check_gradient_accumulation,
+    "summed_gradients": _check_summed_gradients,
     "explicit_prefetch": _check_explicit_prefetch_and_reshard_after_forward,
     "list_group": _check_list_group,
     "meta_init": _check_meta_init,
