@@ -156,6 +156,7 @@ class StepRuntime:
         self._recording_order = True
         self._callback_queued = False
         self._reducing: ShardedUnit | None = None  # the latest unit whose reduction is in flight
+        self.step = 1  # the training step (1-based) a collective belongs to, for error messages
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -281,6 +282,7 @@ class StepRuntime:
         self._reducing = None
         self._callback_queued = False
         self._recording_order = False
+        self.step += 1
 
     # ---- prefetch ----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from fsdp_lite.param import ShardedParam
 from fsdp_lite.streams import SideStreams
 
 __all__ = [
+    "CollectiveError",
     "PendingReduce",
     "ShardedState",
     "ShardedUnit",
@@ -64,6 +65,10 @@ def owns_unit(module: nn.Module) -> bool:
 def unit_owners(module: nn.Module) -> list[nn.Module]:
     """Every wrapper in ``module``'s tree, ``module`` included, in pre-order."""
     return [m for m in module.modules() if owns_unit(m)]
+
+
+class CollectiveError(RuntimeError):
+    """A unit's collective failed; the message says which, where in the step, and with whom."""
 
 
 @dataclass
@@ -174,6 +179,7 @@ class ShardedUnit:
         self.training_state = TrainingState.IDLE
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
         self._gathering_on_side_stream = False  # that unshard runs on streams.all_gather
+        self._gather_phase = "forward"  # that unshard's phase, for error messages
         self._pending_reduce: PendingReduce | None = None  # a reduction in flight
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
         # Frozen params whose unsharded copy backward may read after the last gradient is in
@@ -252,14 +258,32 @@ class ShardedUnit:
                 self._gathered_versions = self._versions()
             offload.after_copy_in(self.params, phase)
             self._record("all_gather", phase, all_gather_input)
-            self._all_gather = collectives.all_gather(
-                all_gather_input,
-                self.group,
-                async_op=async_op,
-                all_gather_output=all_gather_output,
-                transport=self.transport,
-            )
+            with self._failing_names("all_gather", phase, self.group):
+                self._all_gather = collectives.all_gather(
+                    all_gather_input,
+                    self.group,
+                    async_op=async_op,
+                    all_gather_output=all_gather_output,
+                    transport=self.transport,
+                )
         self._gathering_on_side_stream = side is not None
+        self._gather_phase = phase
+
+    @contextlib.contextmanager
+    def _failing_names(self, kind: str, phase: str, group: dist.ProcessGroup):
+        """A collective that fails (a rank died, a timeout) re-raises as ``CollectiveError``,
+        naming the collective, this unit, the phase, the step and the group's ranks."""
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, CollectiveError):
+                raise
+            step = getattr(self.runtime, "step", 1)
+            ranks = dist.get_process_group_ranks(group)
+            raise CollectiveError(
+                f"fsdp_lite: {kind.replace('_', '-')} of unit {self.name or '<root>'!r} in "
+                f"{phase} of step {step} failed (group of ranks {ranks}): {e}"
+            ) from e
 
     def _label(self, what: str) -> contextlib.AbstractContextManager:
         """``fsdp_lite::<what> <unit>`` in torch's profiler (the glossary's words); nothing when
@@ -284,7 +308,8 @@ class ShardedUnit:
         self._to_unsharded()
 
     def _wait_and_copy_out(self, result: AllGatherResult) -> None:
-        result.wait()
+        with self._failing_names("all_gather", self._gather_phase, self.group):
+            result.wait()
         self._record_done("all_gather")
         with contextlib.ExitStack() as stack, torch.no_grad():
             # The copy writes into tensors autograd saved in forward; their contents are the same
@@ -383,9 +408,10 @@ class ShardedUnit:
             reduce_scatter_input.div_(pre)
             kind = "reduce_scatter"
             self._record(kind, "backward", reduce_scatter_input)
-            result = collectives.reduce_scatter(
-                reduce_scatter_input, self.group, async_op=True, transport=self.transport
-            )
+            with self._failing_names(kind, "backward", self.group):
+                result = collectives.reduce_scatter(
+                    reduce_scatter_input, self.group, async_op=True, transport=self.transport
+                )
             for p in self.trainable:
                 p.unsharded_param.grad = None  # its data now lives in reduce_scatter_input
         else:
@@ -396,7 +422,8 @@ class ShardedUnit:
                     p.unsharded_param.grad = None  # its data now lives in flat_grads
             kind = "all_reduce"
             self._record(kind, "backward", flat_grads)
-            result = collectives.all_reduce(flat_grads, self.group, async_op=True)
+            with self._failing_names(kind, "backward", self.group):
+                result = collectives.all_reduce(flat_grads, self.group, async_op=True)
         return PendingReduce(result, post, kind, all(g is not None for g in grads))
 
     def finish_reduce(self) -> None:
@@ -409,12 +436,14 @@ class ShardedUnit:
 
     def _land(self, pending: PendingReduce) -> None:
         result, post, kind = pending.result, pending.post_divide, pending.kind
-        output = result.wait()
+        with self._failing_names(kind, "backward", self.group):
+            output = result.wait()
         self._record_done(kind)
         if self.replicate_group is not None:
             # HYBRID_SHARD: every replica holds the same 1/N slice; sum it across them.
             self._record("all_reduce", "backward", output)
-            collectives.all_reduce(output, self.replicate_group)
+            with self._failing_names("all_reduce", "backward", self.replicate_group):
+                collectives.all_reduce(output, self.replicate_group)
             self._record_done("all_reduce")
         if post != 1.0:
             output.div_(post)
@@ -465,7 +494,8 @@ class ShardedUnit:
         """
         all_gather_input = offload.to_device(torch.cat(sharded_flats), self.compute_device)
         self._record("all_gather", phase, all_gather_input)
-        result = collectives.all_gather(all_gather_input, self.group, transport=self.transport)
+        with self._failing_names("all_gather", phase, self.group):
+            result = collectives.all_gather(all_gather_input, self.group, transport=self.transport)
         self._record_done("all_gather")
         if not keep:
             return [None] * len(self.params)
