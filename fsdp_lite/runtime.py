@@ -26,7 +26,9 @@ autograd may still read the unit's frozen ones: a frozen LayerNorm weight scales
 the LayerNorm's input, computed after every gradient of the weights behind it. A unit holding
 frozen unsharded params therefore reduces at the gradient count but frees its unsharded params
 only once the gradients of its forward inputs are in (an identity autograd Function on the
-inputs, as FSDP2's post-backward), or at ``finalize_backward`` when no input needs a gradient.
+inputs, as FSDP2's post-backward), or at ``finalize_backward`` when no input needs a gradient: a
+root's tokens carry none, yet the gradients of the nested units inside it still flow back through
+its ops, and so through its frozen weights (found by tests/test_properties.py).
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class StepRuntime:
         for i, t in zip(slots, _InputGradsReady.apply(done, *(flat[i] for i in slots))):
             flat[i] = t
         unit.input_grads_pending += 1
+        unit.inputs_hooked = True
         return tree_unflatten(flat, spec)
 
     def _after_input_grads(self, unit: ShardedUnit) -> None:
@@ -265,8 +268,14 @@ class StepRuntime:
             unit.reduce_grads()
             self._reducing = unit
         unit.ran_post_backward = True
-        if unit.input_grads_pending == 0:  # else autograd may still read frozen params (Note
-            unit.reshard()  # [Frozen parameters in a unit]); _after_input_grads reshards
+        # Frozen unsharded params (Note [Frozen parameters in a unit]): free them once the
+        # inputs' gradients are in (_after_input_grads), or, if no input carries a gradient, only
+        # at the end of backward: nested units' gradients still flow through this unit's ops.
+        waits = unit.input_grads_pending > 0 or (
+            unit.keeps_frozen_unsharded and not unit.inputs_hooked
+        )
+        if not waits:
+            unit.reshard()
         unit.training_state = TrainingState.IDLE
 
     def finalize_backward(self) -> None:

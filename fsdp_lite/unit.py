@@ -194,6 +194,7 @@ class ShardedUnit:
         self.ran_pre_backward = False
         self.ran_post_backward = False
         self.input_grads_pending = 0  # forwards whose inputs' gradients are not in yet
+        self.inputs_hooked = False  # some forward's inputs carry a gradient hook this step
         self.reduced = False
 
     def __repr__(self) -> str:
@@ -511,6 +512,7 @@ class ShardedUnit:
         self.ran_pre_backward = False
         self.ran_post_backward = False
         self.input_grads_pending = 0
+        self.inputs_hooked = False
         self.reduced = False
         self.training_state = TrainingState.IDLE
 

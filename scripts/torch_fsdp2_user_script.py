@@ -122,6 +122,7 @@ def main(out_path: str, checkpoint_dir: str) -> None:
         sums = {k: v.double().sum().item() for k, v in final.items()}
         with open(out_path, "w") as f:
             json.dump({"losses": losses, "state_sums": sums}, f)
+    dist.barrier()  # leave together: a rank tearing gloo down under a peer's read can abort it
     dist.destroy_process_group()
 
 
