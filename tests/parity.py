@@ -64,3 +64,16 @@ def assert_close(actual, expected, *, what: str, rtol: float, atol: float) -> No
 
 def build_model(model_name: str) -> nn.Module:
     return build(model_name, seed=0)
+
+
+def train_lm(
+    model: nn.Module, rank: int, world_size: int, steps: int, lr: float
+) -> torch.optim.Optimizer:
+    """``steps`` steps of SGD with momentum on the 'lm' data; returns the optimizer."""
+    optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        x, y = rank_batch("lm", step, rank, world_size)
+        loss_fn("lm", model(x), y).backward()
+        optim.step()
+        optim.zero_grad()
+    return optim

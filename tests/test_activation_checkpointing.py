@@ -21,7 +21,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from conformance.models import Block
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite import ShardingStrategy, StateDictType
-from tests.parity import POLICIES, assert_close, build_model, local, loss_fn, rank_batch, shard_of
+from tests.parity import (
+    POLICIES,
+    assert_close,
+    build_model,
+    local,
+    loss_fn,
+    rank_batch,
+    shard_of,
+    train_lm,
+)
 from tests.ranks import run_ranks
 
 CHECK_BLOCK = functools.partial(
@@ -134,12 +143,7 @@ def _state_dicts_rank(rank: int, world_size: int, strategy_name: str) -> None:
         if wrapped_after:
             _accelerate_style_ac(fsdp)
             assert any(isinstance(m, CheckpointWrapper) for m in fsdp.modules())
-        optim = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
-        for step in range(2):
-            x, y = rank_batch("lm", step, rank, world_size)
-            loss_fn("lm", fsdp(x), y).backward()
-            optim.step()
-            optim.zero_grad()
+        optim = train_lm(fsdp, rank, world_size, steps=2, lr=0.05)
         got = {"names": [n for n, _ in fsdp.named_parameters()]}
         for kind in StateDictType:
             with FSDP.state_dict_type(fsdp, kind):

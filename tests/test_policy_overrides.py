@@ -20,7 +20,7 @@ from fsdp_lite import BackwardPrefetch, ShardingStrategy
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite import wrap as lite_wrap
 from fsdp_lite.unit import ShardedUnit
-from tests.parity import build_model, loss_fn, rank_batch
+from tests.parity import build_model, loss_fn, rank_batch, train_lm
 from tests.ranks import run_ranks
 
 CPU = torch.device("cpu")
@@ -49,12 +49,7 @@ def _ignored_module_goes_to_the_parent(rank, world_size):
             wrap_module, lambda m: {m.blocks[1]: {"ignored_states": [m.blocks[1].fc]}}
         )(model)
         fsdp = fsdp_cls(model, auto_wrap_policy=policy, use_orig_params=True, **extra)
-        optim = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
-        for step in range(2):
-            x, y = rank_batch("lm", step, rank, world_size)
-            loss_fn("lm", fsdp(x), y).backward()
-            optim.step()
-            optim.zero_grad()
+        train_lm(fsdp, rank, world_size, steps=2, lr=0.1)
         if name == "lite":
             fc = model.blocks[1]._fsdp_wrapped_module.fc.weight
             assert not any(fc is p.sharded_param for p in model.blocks[1]._unit.params)
