@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from fsdp_lite import offload
-from fsdp_lite.api import STRATEGY_RULES, BackwardPrefetch, ShardingStrategy
+from fsdp_lite.api import STRATEGY_RULES, BackwardPrefetch, ShardingStrategy, as_ours
 from fsdp_lite.construct import (
     UnitConfig,
     _build_unit,
@@ -145,6 +145,12 @@ def fully_shard(
     # A list is one unit over all its modules' params (e.g. a tied embedding and output head);
     # the ModuleList is only the tree the unit is built from, no module's new parent.
     tree = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+    # torch's policies (what Accelerate and transformers build) are taken as ours, by field.
+    mp_policy = as_ours(mp_policy, MixedPrecisionPolicy, "mp_policy")
+    cpu = type(offload_policy).__name__ == "CPUOffloadPolicy"
+    offload_policy = as_ours(
+        offload_policy, CPUOffloadPolicy if cpu else OffloadPolicy, "offload_policy"
+    )
     config = _config(tree, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
     if shard_placement_fn is not None:
         for name, param in tree.named_parameters():
@@ -196,15 +202,6 @@ def _config(
     """FSDP2's arguments as the engine's ``UnitConfig``; no collective runs here."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed initialized first")
-    for name, value, types in (
-        ("mp_policy", mp_policy, MixedPrecisionPolicy),
-        ("offload_policy", offload_policy, OffloadPolicy),
-    ):
-        if not isinstance(value, types):
-            raise TypeError(
-                f"{name} must be fsdp_lite's {types.__name__}, got "
-                f"{type(value).__module__}.{type(value).__qualname__}"
-            )
     if mesh is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))

@@ -231,6 +231,17 @@ def _check_contracts(rank, world_size):
     for unit in ("blocks.0", "blocks.1"):
         assert {("all_gather", unit, "forward"), ("reduce_scatter", unit, "backward")} <= seen, seen
     assert "blocks.1" in explain(model)
+    # torch's own policy objects, as Accelerate builds them, work as fsdp_lite's.
+    runs = {}
+    for name, policy in (
+        ("torch's", torch_fsdp.MixedPrecisionPolicy(**BF16)),
+        ("fsdp_lite's", fsdp_lite.MixedPrecisionPolicy(**BF16)),
+    ):
+        m = _sharded(fsdp_lite, mp_policy=policy, offload_policy=torch_fsdp.OffloadPolicy())
+        runs[name] = _train(m, rank, world_size, steps=1)
+    _assert_same(runs["torch's"], runs["fsdp_lite's"], "torch's MixedPrecisionPolicy")
+    with pytest.raises(TypeError, match="mp_policy must be fsdp_lite.fsdp2.MixedPrecisionPolicy"):
+        fsdp_lite.fully_shard(build_model("mlp"), mp_policy=BF16)
     with pytest.raises(NotImplementedError, match="set_unshard_in_backward"):
         model.set_unshard_in_backward(False)
 
