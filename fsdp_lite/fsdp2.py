@@ -33,8 +33,8 @@ from fsdp_lite.construct import (
 from fsdp_lite.interop import TorchFSDPModule
 from fsdp_lite.mixed_precision import Precision, cast_floating
 from fsdp_lite.runtime import (
-    check_apply,
     lazy_init,
+    prepare_apply,
     register_grad_hooks,
     take_back_after_apply,
 )
@@ -406,11 +406,7 @@ class FSDPModule(TorchFSDPModule):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``to``, ``double``, ``to_empty``...: shards stay the tensors the optimizer steps (see
         the FSDP1 front's ``_apply``)."""
-        owners = unit_owners(self)
-        for m in owners:  # all checked first, so that a refusal leaves the model as it was
-            check_apply(m._unit, fn)
-        for m in owners:
-            to_rest(m)
+        prepare_apply(self, fn)
         # Past torch's FSDPModule in the MRO: its _apply is torch's FSDP code (interop.py).
         result = super(TorchFSDPModule, self)._apply(fn, recurse)
         take_back_after_apply(self._unit, fn)

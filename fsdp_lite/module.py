@@ -43,12 +43,11 @@ from fsdp_lite.mixed_precision import (
 from fsdp_lite.names import WRAPPED, WRAPPED_PREFIX, clean_name
 from fsdp_lite.runtime import (
     StepRuntime,
-    check_apply,
     lazy_init,
+    prepare_apply,
     register_grad_hooks,
     take_back_after_apply,
 )
-from fsdp_lite.state_dict import to_rest
 from fsdp_lite.unit import ShardedUnit, TrainingState
 
 __all__ = ["FullyShardedDataParallel", "FullyShardedModule", "UnitConfig"]
@@ -197,11 +196,7 @@ class FullyShardedModule(nn.Module):
             RuntimeError: inside forward or backward, or a call that would move shards to another
                 device (or to disk offload in another dtype), before anything changes.
         """
-        wrappers = self.fsdp_modules(self)
-        for w in wrappers:  # all checked first, so that a refusal leaves the model as it was
-            check_apply(w._unit, fn)
-        for w in wrappers:
-            to_rest(w)
+        prepare_apply(self, fn)
         result = super()._apply(fn, recurse)  # nested wrappers take theirs back in their _apply
         take_back_after_apply(self._unit, fn)
         return result

@@ -44,13 +44,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_lite.api import BackwardPrefetch
 from fsdp_lite.names import clean_name
 from fsdp_lite.param import ShardedParam
+from fsdp_lite.state_dict import to_rest
 from fsdp_lite.streams import side_streams
-from fsdp_lite.unit import ShardedUnit, TrainingState, owns_unit
+from fsdp_lite.unit import ShardedUnit, TrainingState, owns_unit, unit_owners
 
 __all__ = [
     "StepRuntime",
     "check_apply",
     "lazy_init",
+    "prepare_apply",
     "register_grad_hooks",
     "take_back_after_apply",
 ]
@@ -91,6 +93,16 @@ def register_grad_hooks(unit: ShardedUnit, params: Sequence[ShardedParam]) -> No
 def _grad_ready(unit: ShardedUnit, _param: torch.Tensor) -> None:
     if unit.runtime is not None:
         unit.runtime.on_grad_ready(unit)
+
+
+def prepare_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Before ``nn.Module._apply`` on a wrapper of either front: check every unit in its tree
+    first (so that a refusal leaves the model as it was), then point each at its shards."""
+    owners = unit_owners(module)
+    for owner in owners:
+        check_apply(owner._unit, fn)
+    for owner in owners:
+        to_rest(owner)
 
 
 def check_apply(unit: ShardedUnit, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

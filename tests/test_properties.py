@@ -171,23 +171,17 @@ def _check(spec: Spec, world_size: int) -> None:
     assert worst <= BOUND[world_size], f"{spec}: differs from DDP by {worst}"
 
 
-@settings(
-    max_examples=MAX_EXAMPLES,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+# Fixed examples (derandomize), no per-example deadline: each launches its ranks.
+FIXED = dict(derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(max_examples=MAX_EXAMPLES, **FIXED)
 @given(specs())
 def test_random_models_train_like_ddp_at_2_ranks(spec):
     _check(spec, 2)
 
 
-@settings(
-    max_examples=MAX_EXAMPLES // 2,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@settings(max_examples=MAX_EXAMPLES // 2, **FIXED)
 @given(specs())
 def test_random_models_train_like_ddp_at_3_ranks(spec):
     _check(spec, 3)
