@@ -33,6 +33,7 @@ from fsdp_lite.construct import (
 from fsdp_lite.interop import TorchFSDPModule
 from fsdp_lite.mixed_precision import Precision, cast_floating
 from fsdp_lite.runtime import (
+    eager,
     lazy_init,
     prepare_apply,
     register_grad_hooks,
@@ -254,6 +255,7 @@ def _leave_uninitialized(module: nn.Module) -> None:
 # ---- hooks: each stage goes to runtime.py -----------------------------------------------------
 
 
+@eager
 def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     unit: ShardedUnit = module._unit
     runtime = lazy_init(module)  # the first FSDPModule to run is the root
@@ -267,6 +269,7 @@ def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     return args, kwargs
 
 
+@eager
 def _post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
     unit: ShardedUnit = module._unit
     group: _Group | None = module._fsdp_group

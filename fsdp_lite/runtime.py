@@ -50,6 +50,7 @@ from fsdp_lite.unit import ShardedUnit, TrainingState, owns_unit, unit_owners
 
 __all__ = [
     "StepRuntime",
+    "eager",
     "check_apply",
     "lazy_init",
     "prepare_apply",
@@ -58,6 +59,18 @@ __all__ = [
 ]
 
 
+def eager(fn: Callable) -> Callable:
+    """Run ``fn`` outside torch.compile's graphs (dynamo leaves it and everything it calls alone).
+
+    Note [Hooks under torch.compile]: the stages of a step swap module parameters, resize storage
+    and issue collectives; traced, they break graphs or fail to lower (inductor's "TODO: dynamic
+    shapes"). So a compiled module's forward is one graph between two eager hooks, as torch FSDP2
+    does with its own hooks. Each unit boundary costs one graph break on each side.
+    """
+    return torch._dynamo.disable(fn, recursive=True, reason="fsdp_lite runs its hooks eagerly")
+
+
+@eager
 def lazy_init(root: nn.Module) -> StepRuntime:
     """The runtime of ``root``'s unit and every unit under it, built the first time one runs.
 
@@ -174,6 +187,7 @@ class StepRuntime:
 
     # ---- forward -----------------------------------------------------------------------------
 
+    @eager
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Unshard ``unit`` for its forward (prefetching the next); returns the inputs to use."""
         if unit.training_state == TrainingState.BACKWARD:
@@ -218,6 +232,7 @@ class StepRuntime:
         if unit.input_grads_pending == 0 and (unit.ran_post_backward or not unit.trainable):
             unit.reshard()
 
+    @eager
     def post_forward(self, unit: ShardedUnit, output):
         if unit.training_state == TrainingState.BACKWARD:
             return output  # a recompute (see pre_forward): backward goes on with these params
