@@ -415,6 +415,12 @@ def _data_parallel_groups(config: UnitConfig) -> list[dist.ProcessGroup]:
     return [config.group] + ([config.replicate_group] if config.replicate_group else [])
 
 
+_SAME_MODULE_HINT = (
+    "; the ranks of a shard group must hold the same module (under pipeline or tensor "
+    "parallelism, shard over the data-parallel sub-mesh, e.g. mesh['dp'])"
+)
+
+
 def _compare_across(mine: list, group: dist.ProcessGroup) -> None:
     everyone = collectives.all_gather_objects(mine, group=group)
     reference, first = everyone[0], dist.get_global_rank(group, 0)
@@ -425,14 +431,14 @@ def _compare_across(mine: list, group: dist.ProcessGroup) -> None:
         if len(theirs) != len(reference):
             raise ValueError(
                 f"ranks built different models: rank {first} has {len(reference)} parameters, "
-                f"rank {rank} has {len(theirs)}"
+                f"rank {rank} has {len(theirs)}{_SAME_MODULE_HINT}"
             )
         for ref, other in zip(reference, theirs):
             if ref != other:
                 raise ValueError(
                     "ranks built different models: parameter "
                     f"{ref[0]!r} is {ref[1]} {ref[2]} on rank {first} but {other[0]!r} is "
-                    f"{other[1]} {other[2]} on rank {rank}"
+                    f"{other[1]} {other[2]} on rank {rank}{_SAME_MODULE_HINT}"
                 )
 
 

@@ -30,7 +30,7 @@ from fsdp_lite.construct import (
     _check_same_model_across_ranks,
     _move_to_device,
 )
-from fsdp_lite.interop import TorchFSDPModule
+from fsdp_lite.interop import TorchFSDPModule, register_state
 from fsdp_lite.mixed_precision import Precision, cast_floating
 from fsdp_lite.runtime import (
     eager,
@@ -180,6 +180,7 @@ def fully_shard(
         m.register_state_dict_pre_hook(_state_dict_pre_hook)
         m.register_load_state_dict_post_hook(_load_state_dict_post_hook)
         m.__class__ = _fsdp_class(type(m))
+        register_state(m, _PipelineView(unit))
     return module
 
 
@@ -374,6 +375,10 @@ class FSDPModule(TorchFSDPModule):
             unit.rules = dataclasses.replace(
                 unit.rules, reshard_after_backward=reshard_after_backward
             )
+            if reshard_after_backward:
+                unit.drop_kept_copy()  # what an earlier False kept between backwards
+            else:
+                unit.keep_current_copy()
 
     def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """Start these modules' all-gathers in this module's pre-forward, instead of the next's."""
@@ -399,9 +404,10 @@ class FSDPModule(TorchFSDPModule):
         self._unit.post_optim_event = event
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Only True is built: every backward ends by landing its gradients."""
-        if not is_last_backward:
-            _not_built("set_is_last_backward(False)")
+        """False: more backwards of this step follow (pipelining's microbatches); the step ends
+        at the next backward with True. Every backward still lands the gradients it reduced."""
+        for m in unit_owners(self):
+            m._unit.is_last_backward = is_last_backward
 
     def reset_iter_state(self) -> None:
         """Nothing to reset between iterations: per-step state resets at the end of backward."""
@@ -425,6 +431,41 @@ class _ForwardStages:
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         return _post_forward(module, args, output)
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotImplementedError(f"torch FSDP2 state attribute {name!r} is not in fsdp_lite")
+
+
+class _PipelineView:
+    """What torch's pipelining gets from ``fully_shard.state(module)`` (interop.register_state):
+    the three names its ``perform_reduce_grad`` reads, each fsdp_lite's own. After a step's
+    microbatch backwards ran without gradient sync, it calls ``post_backward`` of every unit (our
+    ``reduce_after_backward``), then ``_root_post_backward_final_callback`` (our
+    ``finalize_backward``). Anything else torch's internals would read raises, naming it."""
+
+    def __init__(self, unit: ShardedUnit) -> None:
+        self._unit = unit
+
+    @property
+    def _state_ctx(self) -> _PipelineView:
+        return self
+
+    @property
+    def all_states(self) -> list[_PipelineView]:
+        runtime = self._unit.runtime
+        return [] if runtime is None else [_PipelineView(u) for u in runtime.units]
+
+    @property
+    def _fsdp_param_groups(self) -> list[_PipelineView]:
+        return [self]
+
+    def post_backward(self) -> None:
+        if self._unit.runtime is not None:
+            self._unit.runtime.reduce_after_backward(self._unit)
+
+    def _root_post_backward_final_callback(self) -> None:
+        if self._unit.runtime is not None:
+            self._unit.runtime.finalize_backward()
 
     def __getattr__(self, name: str) -> Any:
         raise NotImplementedError(f"torch FSDP2 state attribute {name!r} is not in fsdp_lite")

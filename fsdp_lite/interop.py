@@ -4,11 +4,43 @@ Accelerate, HF Trainer, Lightning Fabric, torchtitan and torch's pipelining deci
 model by ``isinstance(module, FSDPModule)`` with torch's class. fsdp_lite's ``FSDPModule``
 (fsdp2.py) derives from torch's class for that check alone: it defines every method torch's class
 defines, so none of torch's FSDP code runs on our modules (tests/test_interop.py checks both). This
-is the one file in fsdp_lite that names torch's FSDP, and it imports only the class.
+is the one file in fsdp_lite that names torch's FSDP.
+
+One client reads further: torch's pipelining, having seen an ``FSDPModule``, ends a step's backward
+with ``fully_shard.state(module)`` and calls three methods on what that returns (stage.py's
+``perform_reduce_grad``). ``register_state`` files fsdp_lite's own object where that lookup looks,
+found through the lookup function itself, so the calls reach fsdp_lite's code
+(fsdp2._PipelineView); nothing of torch's FSDP state is built or run.
 """
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+import inspect
+from typing import Any
 
-__all__ = ["TorchFSDPModule"]
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+
+__all__ = ["TorchFSDPModule", "register_state"]
+
+
+def _state_slot() -> tuple[str, Any] | None:
+    """(module attribute, key) where torch's ``fully_shard.state(module)`` finds a state: what its
+    ``module.__dict__[STATE_KEY].get(func)`` reads. None where this torch looks elsewhere."""
+    lookup = getattr(_torch_fully_shard, "state", None)
+    if lookup is None:
+        return None
+    names = inspect.getclosurevars(lookup)
+    attr, key = names.globals.get("STATE_KEY"), names.nonlocals.get("func")
+    return (attr, key) if isinstance(attr, str) and key is not None else None
+
+
+_SLOT = _state_slot()
+
+
+def register_state(module: nn.Module, state: object) -> None:
+    """Make torch's ``fully_shard.state(module)`` return ``state`` (an fsdp_lite object)."""
+    if _SLOT is not None:
+        attr, key = _SLOT
+        module.__dict__.setdefault(attr, {})[key] = state

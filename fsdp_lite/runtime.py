@@ -286,6 +286,8 @@ class StepRuntime:
             unit.trace.compute(unit, "backward", "end")
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch(unit, step=-1, phase="backward")
+        if not unit.requires_gradient_sync and unit.trainable:
+            unit.grads_unreduced = True
         if unit.requires_gradient_sync and unit.trainable:
             # A reduction in flight holds its unit's whole gradient buffer until it lands. The
             # previous one has had this unit's whole backward to finish: land it before packing
@@ -311,14 +313,29 @@ class StepRuntime:
             needs_reduce = unit.ran_pre_backward or unit.num_grads_ready > 0
             if unit.requires_gradient_sync and needs_reduce and not unit.reduced:
                 unit.reduce_grads()
+            elif needs_reduce and unit.trainable and not unit.requires_gradient_sync:
+                unit.grads_unreduced = True
         for unit in self.units:
             unit.finish_reduce()
             unit.reshard()
             unit.reset_backward()
         self._reducing = None
         self._callback_queued = False
-        self._recording_order = False
-        self.step += 1
+        if all(unit.is_last_backward for unit in self.units):
+            self._recording_order = False
+            self.step += 1
+
+    def reduce_after_backward(self, unit: ShardedUnit) -> None:
+        """Reduce the gradients ``unit``'s backwards left unreduced, outside autograd; a no-op
+        for a unit with none (every backward synced). torch's pipelining calls this (as FSDP2's
+        ``post_backward``) once a step's microbatch backwards ran without gradient sync;
+        ``finalize_backward`` lands the reductions. Ranks call it for units in the same order."""
+        if unit.requires_gradient_sync and unit.grads_unreduced and not unit.reduced:
+            if self._reducing is not None:
+                self._reducing.finish_reduce()
+            unit.reduce_grads()
+            self._reducing = unit
+        unit.reshard()
 
     # ---- prefetch ----------------------------------------------------------------------------
 

@@ -149,6 +149,11 @@ class ShardedUnit:
         # False (no_sync, set_requires_gradient_sync): backward keeps the unsharded gradients,
         # to accumulate, and reduces nothing.
         self.requires_gradient_sync = True
+        # False (FSDP2's set_is_last_backward): more backwards of this step follow, as between
+        # pipelining's microbatches; the step counter waits for the last one.
+        self.is_last_backward = True
+        # A backward without gradient sync left gradients on the unsharded params, not reduced.
+        self.grads_unreduced = False
         # As the root, keep the unsharded params after forward (backward starts with them);
         # FSDP2's explicit reshard_after_forward=True on the root frees them.
         self.root_keeps_params = True
@@ -347,6 +352,21 @@ class ShardedUnit:
         if self.state == ShardedState.UNSHARDED and self.uses_unsharded_copy:
             self._to_sharded()
 
+    def keep_current_copy(self) -> None:
+        """reshard_after_backward just became False: unsharded params gathered before count as
+        kept (Note [ZeRO-1]), so a later unshard with unchanged shards reuses them."""
+        if self.state == ShardedState.UNSHARDED and self.uses_unsharded_copy:
+            if self._gathered_versions is None:
+                self._gathered_versions = self._versions()
+
+    def drop_kept_copy(self) -> None:
+        """Free unsharded params kept while the modules hold the shards (reshard_after_backward
+        was False, Note [ZeRO-1]); the next unshard gathers again."""
+        self._gathered_versions = None
+        if self.state == ShardedState.SHARDED and self.uses_unsharded_copy:
+            for p in self.params:
+                p.free_unsharded()
+
     def _to_unsharded(self) -> None:
         for p in self.params:
             p.point_modules_to(p.unsharded_param)
@@ -383,6 +403,7 @@ class ShardedUnit:
                         self.streams.hand_over(g, side)
             self._pending_reduce = self._start_reduce(grads)
         self.reduced = True
+        self.grads_unreduced = False
 
     def _start_reduce(self, grads: list[torch.Tensor | None]) -> PendingReduce:
         """Pack, pre-divide and issue this unit's gradient collective; drop autograd's grads."""
