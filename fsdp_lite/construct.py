@@ -7,6 +7,7 @@ module.py calls these from ``FullyShardedModule.__init__``; nothing here runs at
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_lite import collectives, offload, wrap
 from fsdp_lite.api import (
@@ -34,7 +36,7 @@ from fsdp_lite.mixed_precision import (
     resolve,
 )
 from fsdp_lite.names import clean_name
-from fsdp_lite.param import ShardedParam, padded_numel
+from fsdp_lite.param import ShardedParam, TensorParallel, padded_numel
 from fsdp_lite.unit import ShardedUnit, owns_unit
 
 __all__ = ["UnitConfig"]
@@ -399,6 +401,23 @@ def _move_to_device(module: nn.Module, config: UnitConfig) -> None:
         module.to(config.device)
 
 
+def check_tensor_parallel_params(module: nn.Module, config: UnitConfig, front: str) -> None:
+    """Raise, before any collective, for DTensor parameters this unit cannot take: any under
+    the FSDP1 front; under ``fully_shard``, a layout ``param.TensorParallel.check`` refuses."""
+    nested = {id(p.sharded_param) for m in module.modules() if owns_unit(m) for p in m._unit.params}
+    for name, param in module.named_parameters():
+        if not isinstance(param, DTensor) or id(param) in nested:
+            continue
+        if param in config.ignored_params:
+            continue
+        if front != "fully_shard":
+            raise NotImplementedError(
+                f"parameter {clean_name(name)!r} is a DTensor (tensor parallel); {front} does "
+                "not shard DTensors: use fully_shard(module, mesh=mesh['dp'])"
+            )
+        TensorParallel.check(param, clean_name(name), config.mesh)
+
+
 def _check_same_model_across_ranks(module: nn.Module, config: UnitConfig) -> None:
     """Fail with a message naming the difference if ranks built different models.
 
@@ -592,13 +611,26 @@ def _materialize(
             # Materialized inside its unsharded buffer, which ShardedParam keeps, when that is
             # in the param's own dtype; under a param_dtype it gets a buffer of that dtype.
             compute_dtype = config.precision.param_dtype or param.dtype
+            # A tensor-parallel DTensor is sharded as its local tensor (param.py Note [Tensor
+            # parallel parameters]): that is what gets materialized.
+            shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
             if config.rules.shard_params and param.dim() > 0 and compute_dtype == param.dtype:
                 buffer = torch.empty(
-                    padded_numel(param.shape, world_size), dtype=param.dtype, device=config.device
+                    padded_numel(shape, world_size), dtype=param.dtype, device=config.device
                 )
-                data = buffer[: param.numel()].view(param.shape)
+                data = buffer[: math.prod(shape)].view(shape)
             else:
-                buffer, data = None, torch.empty_like(param, device=config.device)
+                buffer = None
+                data = torch.empty(shape, dtype=param.dtype, device=config.device)
+            if isinstance(param, DTensor):
+                data = DTensor.from_local(
+                    data,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
             real = nn.Parameter(data, requires_grad=param.requires_grad)
             if buffer is not None:
                 buffers[real] = buffer

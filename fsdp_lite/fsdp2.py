@@ -29,6 +29,7 @@ from fsdp_lite.construct import (
     _build_unit,
     _check_same_model_across_ranks,
     _move_to_device,
+    check_tensor_parallel_params,
 )
 from fsdp_lite.interop import TorchFSDPModule, register_state
 from fsdp_lite.mixed_precision import Precision, cast_floating
@@ -161,6 +162,7 @@ def fully_shard(
                     f"shard_placement_fn gave {name!r} {placement}; only Shard(0) is built"
                 )
     _move_to_device(tree, config)
+    check_tensor_parallel_params(tree, config, "fully_shard")
     # A collective, after every argument was checked: different models fail here on every rank.
     _check_same_model_across_ranks(tree, config)
     unit = _build_unit(tree, config)

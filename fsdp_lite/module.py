@@ -35,6 +35,7 @@ from fsdp_lite.construct import (
     _move_to_device,
     _nested_config,
     _resolve_configs,
+    check_tensor_parallel_params,
 )
 from fsdp_lite.mixed_precision import (
     cast_floating,
@@ -141,6 +142,7 @@ class FullyShardedModule(nn.Module):
         """Check the arguments, move and compare the model across ranks, and auto-wrap."""
         config = _make_config(module, kwargs)
         _move_to_device(module, config)
+        check_tensor_parallel_params(module, config, "FullyShardedDataParallel")
         # Collectives start here; everything above fails locally, before any rank can hang.
         _check_same_model_across_ranks(module, config)
         if config.sync_module_states and not _has_meta(list(module.modules())):

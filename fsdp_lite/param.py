@@ -18,6 +18,18 @@ Glossary (variables, trace labels and docs use these words exactly):
   reduce_scatter_input  the unit's padded unsharded_grads, rank-major     1D
   reduce_scatter_output this rank's summed slice; becomes sharded_param.grad   1D, 1/N
 
+Note [Tensor parallel parameters]: a parameter that tensor parallelism (``parallelize_module``)
+made a DTensor on a TP mesh is sharded as its *local* tensor: orig_size, the rows and the flat
+buffers are the TP-local shard's, and the collectives run over the data-parallel group as for any
+parameter. Only the DTensors the modules see carry the TP layout: ``unsharded_param`` is a DTensor
+on the TP mesh with the original placements (what the TP module's forward expects), and
+``sharded_param`` a DTensor on the (dp, tp) mesh with placements (dp placement, *TP placements),
+laid out as torch FSDP2 lays it: where TP also cuts dim 0, the dp shard of a TP-local shard is
+not one contiguous piece of the global tensor, so the dp placement is ``_StridedShard(0,
+split_factor=TP's shards of dim 0)``. Gradients arrive as DTensors on the TP mesh; a Partial one
+(a replicated LayerNorm weight under sequence parallelism) is reduced over TP first, then its
+local tensor goes into the flat reduction as any gradient.
+
 Note [Padding]: dim 0 is cut into world_size chunks of ``shard_rows = ceil(dim0 / world_size)`` rows,
 the torch.chunk rule that DTensor's Shard(0) also uses, so the last ranks may hold fewer rows or none.
 Every rank still stores ``shard_numel`` elements (the missing rows are zeros) so that all ranks
@@ -28,17 +40,21 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fsdp_lite import offload
 
 __all__ = [
     "ShardedParam",
+    "TensorParallel",
     "alloc_storage",
     "free_storage",
     "padded_numel",
@@ -93,6 +109,75 @@ def alloc_storage(tensor: torch.Tensor, nbytes: int) -> None:
         storage.resize_(nbytes)
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """The TP layout of a parameter that arrived as a DTensor (Note [Tensor parallel parameters])."""
+
+    mesh: DeviceMesh  # the TP mesh of the original DTensor
+    placements: tuple[Placement, ...]  # its placements there
+    shape: torch.Size  # its global shape
+    stride: tuple[int, ...]  # its global stride
+    sharded_mesh: DeviceMesh  # (dp, tp): the data-parallel mesh's dims, then the TP mesh's
+    sharded_placements: tuple[Placement, ...]  # (dp placement, *placements)
+
+    @staticmethod
+    def check(param: DTensor, fqn: str, dp_mesh: DeviceMesh | None) -> None:
+        """Raise unless ``param`` can be sharded over ``dp_mesh``; local, no collective.
+
+        Raises:
+            ValueError: ``dp_mesh`` shares ranks with the TP mesh, or the two are not dims of
+                one DeviceMesh.
+            NotImplementedError: a layout not built (HSDP with TP, Partial or strided TP
+                placements).
+        """
+        tp_mesh = param.device_mesh
+        if dp_mesh is None:
+            raise NotImplementedError(f"parameter {fqn!r} is a DTensor; that needs a sharding mesh")
+        me = dist.get_rank()
+        dp_ranks = set(dp_mesh.mesh.flatten().tolist())
+        tp_ranks = set(tp_mesh.mesh.flatten().tolist())
+        if dp_ranks & tp_ranks != {me}:
+            raise ValueError(
+                f"parameter {fqn!r} is a DTensor on a mesh of ranks {sorted(tp_ranks)} "
+                f"(dims {tp_mesh.mesh_dim_names}), and the sharding mesh (ranks "
+                f"{sorted(dp_ranks)}, dims {dp_mesh.mesh_dim_names}) spans some of them too; "
+                "shard over the data-parallel sub-mesh, e.g. mesh['dp']"
+            )
+        if dp_mesh.ndim != 1:
+            raise NotImplementedError(
+                f"parameter {fqn!r}: tensor parallel with HSDP (a 2-D sharding mesh) is not built"
+            )
+        if tp_mesh.ndim != 1 or not all(type(pl) in (Shard, Replicate) for pl in param.placements):
+            raise NotImplementedError(
+                f"parameter {fqn!r} has placements {param.placements} on a {tp_mesh.ndim}-D mesh; "
+                "only Shard and Replicate on a 1-D tensor-parallel mesh are built"
+            )
+        if dp_mesh._get_root_mesh() is not tp_mesh._get_root_mesh():
+            raise ValueError(
+                f"parameter {fqn!r}: its tensor-parallel mesh and the sharding mesh are not dims "
+                "of one DeviceMesh; build one with init_device_mesh(..., mesh_dim_names=('dp', "
+                "'tp')) and pass mesh['dp'] to fully_shard, mesh['tp'] to parallelize_module"
+            )
+
+    @classmethod
+    def of(cls, param: DTensor, fqn: str, dp_mesh: DeviceMesh | None) -> TensorParallel:
+        """The layout of ``param`` sharded over ``dp_mesh`` too (raises as ``check``)."""
+        TensorParallel.check(param, fqn, dp_mesh)
+        tp_mesh = param.device_mesh
+        split = math.prod(
+            tp_mesh.size(i) for i, pl in enumerate(param.placements) if pl == Shard(0)
+        )
+        dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        return cls(
+            mesh=tp_mesh,
+            placements=tuple(param.placements),
+            shape=param.size(),
+            stride=param.stride(),
+            sharded_mesh=DeviceMesh._concatenate([dp_mesh, tp_mesh]),
+            sharded_placements=(dp_placement, *param.placements),
+        )
+
+
 class ShardedParam:
     """One original parameter of a unit, sharded on dim 0 across the unit's process group.
 
@@ -131,11 +216,19 @@ class ShardedParam:
             raise NotImplementedError(
                 f"parameter {fqn!r} is 0-dimensional; sharding on dim 0 needs at least one dim"
             )
+        self.tp = None
+        if isinstance(orig_param, DTensor):  # Note [Tensor parallel parameters]
+            if not shard:
+                raise NotImplementedError(
+                    f"parameter {fqn!r} is a DTensor; only sharding strategies take DTensors"
+                )
+            self.tp = TensorParallel.of(orig_param, fqn, mesh)
         self.fqn = fqn
         self.locations = locations  # every (module, attribute) holding this parameter: tied weights
         self.requires_grad = orig_param.requires_grad
-        self.orig_size = orig_param.size()
-        self.numel = orig_param.numel()
+        local = orig_param._local_tensor if self.tp is not None else orig_param
+        self.orig_size = local.size()  # the TP-local shape for a DTensor
+        self.numel = local.numel()
         self.is_sharded = shard
         self.world_size = world_size
         self.rank = rank
@@ -168,13 +261,13 @@ class ShardedParam:
             return
 
         dim0 = self.orig_size[0]
-        row_numel = orig_param.numel() // dim0 if dim0 else 0
+        row_numel = self.numel // dim0 if dim0 else 0
         self.shard_rows = shard_rows(dim0, world_size)
         self.local_rows = max(0, min(self.shard_rows, dim0 - rank * self.shard_rows))
         self.shard_numel = self.shard_rows * row_numel
         self.padded_numel = self.shard_numel * world_size
 
-        data = orig_param.detach()
+        data = local.detach()
         # The shard lives on storage_device (CPU under CPUOffload); forward runs on compute_device.
         compute = compute_device or data.device
         storage = storage_device or compute
@@ -200,14 +293,44 @@ class ShardedParam:
             if unsharded_buffer is not None
             else torch.empty(self.padded_numel, dtype=dtype, device=compute)
         )
-        self.unsharded_param = nn.Parameter(
-            self.unsharded_flat[: self.numel].view(self.orig_size),
-            requires_grad=self.requires_grad,
-        )
+        self.unsharded_param = self._new_unsharded_param()
         free_storage(self.unsharded_flat)
+
+    def _new_unsharded_param(self) -> nn.Parameter:
+        """The full-shape parameter forward uses, a view of ``unsharded_flat``; for a TP
+        parameter a DTensor on its TP mesh around that view."""
+        view = self.unsharded_flat[: self.numel].view(self.orig_size)
+        if self.tp is not None:
+            view = DTensor.from_local(
+                view,
+                self.tp.mesh,
+                self.tp.placements,
+                run_check=False,
+                shape=self.tp.shape,
+                stride=self.tp.stride,
+            )
+        return nn.Parameter(view, requires_grad=self.requires_grad)
+
+    def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The plain tensor the flat reduction takes for ``unsharded_param``'s gradient: for a TP
+        parameter, the local tensor of the gradient in the parameter's placements."""
+        if grad is None or self.tp is None:
+            return grad
+        if tuple(grad.placements) != self.tp.placements:
+            grad = grad.redistribute(placements=self.tp.placements)  # e.g. Partial -> Replicate
+        return grad._local_tensor
 
     def _to_dtensor(self, local_flat: torch.Tensor) -> DTensor:
         local = local_flat.view(self.local_rows, *self.orig_size[1:])  # (local_rows, *rest)
+        if self.tp is not None:
+            return DTensor.from_local(
+                local,
+                self.tp.sharded_mesh,
+                self.tp.sharded_placements,
+                run_check=False,
+                shape=self.tp.shape,
+                stride=_contiguous_strides(self.tp.shape),
+            )
         return DTensor.from_local(
             local,
             self.mesh,
@@ -262,10 +385,7 @@ class ShardedParam:
         self.unsharded_flat = torch.empty(
             self.padded_numel, dtype=dtype, device=self.unsharded_flat.device
         )
-        self.unsharded_param = nn.Parameter(
-            self.unsharded_flat[: self.numel].view(self.orig_size),
-            requires_grad=self.requires_grad,
-        )
+        self.unsharded_param = self._new_unsharded_param()
         if old.grad is not None:  # accumulated under no_sync: it follows the dtype too
             self.unsharded_param.grad = old.grad.to(dtype)
         free_storage(self.unsharded_flat)

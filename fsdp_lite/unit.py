@@ -384,7 +384,7 @@ class ShardedUnit:
     def unsharded_grads(self) -> list[torch.Tensor | None]:
         """The gradient autograd left on each trainable parameter's unsharded (or only) copy."""
         if self.uses_unsharded_copy:
-            return [p.unsharded_param.grad for p in self.trainable]
+            return [p.local_grad(p.unsharded_param.grad) for p in self.trainable]
         return [p.sharded_param.grad for p in self.trainable]
 
     def reduce_grads(self) -> None:
