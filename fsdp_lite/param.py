@@ -311,6 +311,22 @@ class ShardedParam:
             )
         return nn.Parameter(view, requires_grad=self.requires_grad)
 
+    def global_box(self) -> list[tuple[int, int]]:
+        """The [start, stop) of each dim of the global tensor that this rank's shard covers:
+        its rows of dim 0 after tensor parallel's cut (Note [Tensor parallel parameters])."""
+        box = [(0, size) for size in (self.tp.shape if self.tp is not None else self.orig_size)]
+        if self.tp is not None:
+            tp_rank = self.tp.mesh.get_local_rank()
+            for pl in self.tp.placements:
+                if isinstance(pl, Shard):
+                    chunk = -(-self.tp.shape[pl.dim] // self.tp.mesh.size())
+                    start = min(tp_rank * chunk, self.tp.shape[pl.dim])
+                    box[pl.dim] = (start, start + self.orig_size[pl.dim])
+        first = box[0][0] + self.rank * self.shard_rows if self.is_sharded else box[0][0]
+        rows = self.local_rows if self.is_sharded else self.orig_size[0]
+        box[0] = (min(first, box[0][1]), min(first + rows, box[0][1]))
+        return box
+
     def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """The plain tensor the flat reduction takes for ``unsharded_param``'s gradient: for a TP
         parameter, the local tensor of the gradient in the parameter's placements."""

@@ -347,10 +347,18 @@ def explain(model: nn.Module) -> str:
         )
         for p in unit.params:
             shape = "x".join(map(str, p.orig_size)) or "scalar"
-            lines.append(
+            line = (
                 f"  {p.fqn:<28} {shape:>12}  rows {p.local_rows:>4}/{p.shard_rows:<4} "
                 f"shard_numel {p.shard_numel:>7}  padding {p.padded_numel - p.numel}"
             )
+            if p.tp is not None:  # the shape above is the TP-local one
+                box = ", ".join(f"{a}:{b}" for a, b in p.global_box())
+                layout = ", ".join(map(repr, p.tp.sharded_placements))
+                line += (
+                    f"  of {'x'.join(map(str, p.tp.shape))} on {p.tp.sharded_mesh.mesh_dim_names}"
+                    f" ({layout}): holds [{box}]"
+                )
+            lines.append(line)
     return "\n".join(lines)
 
 

@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_lite
+from conformance.tp_models import TPLM, batch, build_tplm, loss_fn, parallelize
+from fsdp_lite.unit import unit_owners
 from tests.ranks import run_ranks
-from tests.tp_model import TPLM, batch, build_tplm, loss_fn, parallelize
 
 STEPS = 3
 
@@ -71,6 +72,19 @@ def _tp_rank(rank: int, world_size: int, checkpoint: str) -> dict:
     results = {}
     for name, fully_shard in (("ours", fsdp_lite.fully_shard), ("torch", torch_fully_shard)):
         model = _shard(parallelize(build_tplm(), mesh["tp"]), mesh["dp"], fully_shard)
+        if name == "ours":  # explain()'s boxes: where each rank's shard sits in the whole
+            whole = dict(build_tplm().named_parameters())
+            names = {id(param): name for name, param in model.named_parameters()}
+            results["boxes_hold_the_shards"] = all(
+                torch.equal(
+                    p.sharded_param.to_local(),
+                    whole[names[id(p.sharded_param)]][
+                        tuple(slice(a, b) for a, b in p.global_box())
+                    ],
+                )
+                for m in unit_owners(model)
+                for p in m._unit.params
+            )
         optim = _optimizer(model)
         for step in range(STEPS - 1):
             _step(model, optim, step, dp_rank, 2)
@@ -155,6 +169,10 @@ def test_parameters_are_laid_out_as_torch_fsdp2_lays_them(tp_runs):
     assert placements["blocks.0.attn.wq.weight"] == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
     assert placements["blocks.0.attn.wo.weight"] == ("Shard(dim=0)", "Shard(dim=1)")
     assert placements["blocks.0.attn_norm.weight"] == ("Shard(dim=0)", "Replicate()")
+
+
+def test_explain_boxes_locate_every_shard_in_the_whole_tensor(tp_runs):
+    assert all(r["boxes_hold_the_shards"] for r in tp_runs)
 
 
 def test_meta_init_then_full_state_dict_trains_bitwise_as_a_built_model(tp_runs):

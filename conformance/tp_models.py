@@ -1,4 +1,4 @@
-"""A tiny Llama-shaped model and torchtitan's tensor-parallel plan for it.
+"""A tiny Llama-shaped model and torchtitan's tensor-parallel plan for it (composition tests, scripts).
 
 Separate q, k, v projections (so ColwiseParallel splits whole heads), an MLP, LayerNorms run under
 SequenceParallel, and an untied output head: every parallel style the composition tests need.
