@@ -31,6 +31,7 @@ from fsdp_lite.fsdp2 import (
     register_fsdp_forward_method,
 )
 from fsdp_lite.module import FullyShardedDataParallel, FullyShardedModule
+from fsdp_lite.runtime import set_collective_order_check
 
 __all__ = [
     "BackwardPrefetch",
@@ -57,4 +58,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "set_collective_order_check",
 ]

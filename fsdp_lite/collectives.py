@@ -10,10 +10,13 @@ per-parameter functions at the bottom are the plain versions the flat ones are t
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from fsdp_lite import order
 
 __all__ = [
     "BACKEND",
@@ -38,6 +41,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _wait(works: list[dist.Work], on_stall: Callable[[], None] | None, out: torch.Tensor) -> None:
+    # CPU tensors only: an accelerator's wait() queues on a stream, and waiting in a thread would
+    # make the host wait for the device (Note [Collective order] in order.py).
+    if on_stall is not None and out.device.type == "cpu":
+        order.wait(works, on_stall)
+        return
+    for work in works:
+        work.wait()
+
+
 @dataclass
 class AllGatherResult:
     """An all-gather in flight: ``wait()`` before reading ``all_gather_output``."""
@@ -46,9 +59,9 @@ class AllGatherResult:
     # The collective's work, or one per send and receive (all_gather_by_sends); empty once done.
     works: list[dist.Work] = field(default_factory=list)
 
-    def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
+    def wait(self, on_stall: Callable[[], None] | None = None) -> torch.Tensor:
+        """``on_stall``: called each second the collective is not done (order.py; CPU only)."""
+        _wait(self.works, on_stall, self.all_gather_output)
         self.works = []
         return self.all_gather_output
 
@@ -65,9 +78,9 @@ class ReduceResult:
     # ``output`` (this rank's own row).
     received: torch.Tensor | None = None
 
-    def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
+    def wait(self, on_stall: Callable[[], None] | None = None) -> torch.Tensor:
+        """``on_stall`` as for ``AllGatherResult.wait``."""
+        _wait(self.works, on_stall, self.output)
         self.works = []
         if self.received is not None:
             # 2 ranks: own + peer's is the rank-order sum r0 + r1, since addition commutes

@@ -55,6 +55,7 @@ __all__ = [
     "lazy_init",
     "prepare_apply",
     "register_grad_hooks",
+    "set_collective_order_check",
     "take_back_after_apply",
 ]
 
@@ -68,6 +69,13 @@ def eager(fn: Callable) -> Callable:
     does with its own hooks. Each unit boundary costs one graph break on each side.
     """
     return torch._dynamo.disable(fn, recursive=True, reason="fsdp_lite runs its hooks eagerly")
+
+
+def set_collective_order_check(module: nn.Module, enabled: bool) -> None:
+    """Turn the collective-order check (fsdp_lite/order.py) on or off for every unit in
+    ``module``'s tree, of either front. On by default."""
+    for owner in unit_owners(module):
+        owner._unit.order_check = bool(enabled)
 
 
 @eager

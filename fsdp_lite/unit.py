@@ -24,6 +24,8 @@ loaded state dict, a manual edit under no_grad) is picked up the same way, with 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -31,10 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_lite import collectives, offload
+from fsdp_lite import collectives, offload, order
 from fsdp_lite.api import BackwardPrefetch, Rules
 from fsdp_lite.collectives import AllGatherResult, ReduceResult
 from fsdp_lite.mixed_precision import Precision
+from fsdp_lite.order import CollectiveError
 from fsdp_lite.param import ShardedParam
 from fsdp_lite.streams import SideStreams
 
@@ -67,10 +70,6 @@ def unit_owners(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if owns_unit(m)]
 
 
-class CollectiveError(RuntimeError):
-    """A unit's collective failed; the message says which, where in the step, and with whom."""
-
-
 @dataclass
 class PendingReduce:
     """A unit's gradient reduction in flight, from ``reduce_grads`` until ``finish_reduce``.
@@ -83,6 +82,7 @@ class PendingReduce:
     post_divide: float  # what the sum is divided by after the collective
     kind: str  # "reduce_scatter" | "all_reduce", for the trace and profiler labels
     had_every_grad: bool  # this rank had every gradient: no "had a gradient" count to read
+    on_stall: Callable[[], None] | None = None  # the order check of its wait (order.py)
 
 
 class ShardedState(Enum):
@@ -185,6 +185,11 @@ class ShardedUnit:
         self._all_gather: AllGatherResult | None = None  # an unshard in flight
         self._gathering_on_side_stream = False  # that unshard runs on streams.all_gather
         self._gather_phase = "forward"  # that unshard's phase, for error messages
+        self._gather_stalled = None  # what that unshard's wait calls when it stalls
+        # Log every collective and compare the ranks' logs when a wait stalls (Note [Collective
+        # order] in order.py); scripts/bench.py turns it off to measure its cost.
+        self.order_check = True
+        self._order_logs: dict = {}  # group -> its order.OrderLog, looked up once
         self._pending_reduce: PendingReduce | None = None  # a reduction in flight
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
         # Frozen params whose unsharded copy backward may read after the last gradient is in
@@ -263,7 +268,7 @@ class ShardedUnit:
             if not self.rules.reshard_after_backward:
                 self._gathered_versions = self._versions()
             offload.after_copy_in(self.params, phase)
-            self._record("all_gather", phase, all_gather_input)
+            self._gather_stalled = self._record("all_gather", phase, all_gather_input)
             with self._failing_names("all_gather", phase, self.group):
                 self._all_gather = collectives.all_gather(
                     all_gather_input,
@@ -315,7 +320,7 @@ class ShardedUnit:
 
     def _wait_and_copy_out(self, result: AllGatherResult) -> None:
         with self._failing_names("all_gather", self._gather_phase, self.group):
-            result.wait()
+            result.wait(self._gather_stalled)
         self._record_done("all_gather")
         with contextlib.ExitStack() as stack, torch.no_grad():
             # The copy writes into tensors autograd saved in forward; their contents are the same
@@ -429,7 +434,7 @@ class ShardedUnit:
             collectives.reduce_scatter_copy_in(filled, self.world_size, reduce_scatter_input)
             reduce_scatter_input.div_(pre)
             kind = "reduce_scatter"
-            self._record(kind, "backward", reduce_scatter_input)
+            stalled = self._record(kind, "backward", reduce_scatter_input)
             with self._failing_names(kind, "backward", self.group):
                 result = collectives.reduce_scatter(
                     reduce_scatter_input, self.group, async_op=True, transport=self.transport
@@ -443,10 +448,10 @@ class ShardedUnit:
                 for p in self.trainable:
                     p.unsharded_param.grad = None  # its data now lives in flat_grads
             kind = "all_reduce"
-            self._record(kind, "backward", flat_grads)
+            stalled = self._record(kind, "backward", flat_grads)
             with self._failing_names(kind, "backward", self.group):
                 result = collectives.all_reduce(flat_grads, self.group, async_op=True)
-        return PendingReduce(result, post, kind, all(g is not None for g in grads))
+        return PendingReduce(result, post, kind, all(g is not None for g in grads), stalled)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction and write each parameter's averaged gradient."""
@@ -459,13 +464,13 @@ class ShardedUnit:
     def _land(self, pending: PendingReduce) -> None:
         result, post, kind = pending.result, pending.post_divide, pending.kind
         with self._failing_names(kind, "backward", self.group):
-            output = result.wait()
+            output = result.wait(pending.on_stall)
         self._record_done(kind)
         if self.replicate_group is not None:
             # HYBRID_SHARD: every replica holds the same 1/N slice; sum it across them.
-            self._record("all_reduce", "backward", output)
+            stalled = self._record("all_reduce", "backward", output, self.replicate_group)
             with self._failing_names("all_reduce", "backward", self.replicate_group):
-                collectives.all_reduce(output, self.replicate_group)
+                collectives.all_reduce(output, self.replicate_group, async_op=True).wait(stalled)
             self._record_done("all_reduce")
         if post != 1.0:
             output.div_(post)
@@ -515,9 +520,12 @@ class ShardedUnit:
         rank only takes part (rank0_only on the other ranks); ``device`` defaults to the shards'.
         """
         all_gather_input = offload.to_device(torch.cat(sharded_flats), self.compute_device)
-        self._record("all_gather", phase, all_gather_input)
+        stalled = self._record("all_gather", phase, all_gather_input)
         with self._failing_names("all_gather", phase, self.group):
-            result = collectives.all_gather(all_gather_input, self.group, transport=self.transport)
+            result = collectives.all_gather(
+                all_gather_input, self.group, async_op=True, transport=self.transport
+            )
+            result.wait(stalled)
         self._record_done("all_gather")
         if not keep:
             return [None] * len(self.params)
@@ -537,9 +545,23 @@ class ShardedUnit:
         self.reduced = False
         self.training_state = TrainingState.IDLE
 
-    def _record(self, kind: str, phase: str, tensor: torch.Tensor) -> None:
+    def _record(
+        self, kind: str, phase: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+    ) -> Callable[[], None] | None:
+        """Log a collective about to be issued on ``group`` (default: the shard group) for the
+        trace and the order check; returns what its wait calls when it stalls (order.py)."""
         if self.trace is not None:
             self.trace.record(kind=kind, unit=self.name, phase=phase, tensor=tensor)
+        if not self.order_check:
+            return None
+        group = group or self.group
+        log = self._order_logs.get(group)
+        if log is None:
+            log = self._order_logs[group] = order.log_for(group)
+        step = getattr(self.runtime, "step", 1)
+        return functools.partial(
+            log.stalled, log.issued(step, kind, self.name, phase, tensor.numel())
+        )
 
     def _record_done(self, kind: str) -> None:
         if self.trace is not None:  # this rank's wait returned; see Note [Trace times and memory]

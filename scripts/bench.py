@@ -60,6 +60,8 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 REFERENCE = "torch_fsdp2"  # the "x FSDP2" column
 # FULL_SHARD with the backend's own all-gather and reduce-scatter, where fsdp_lite would send rows
 COLLECTIVES_VARIANT = "fsdp_lite/FULL_SHARD/collectives"
+# FULL_SHARD without the collective-order check (fsdp_lite/order.py): what the check costs
+NO_ORDER_CHECK = "fsdp_lite/FULL_SHARD/no_order_check"
 # fsdp_lite's FSDP2 front, fully_shard per block and root: the same calls as torch_fsdp2's
 LITE_FSDP2 = "fsdp_lite/fully_shard"
 FLOOR = "single"
@@ -79,6 +81,9 @@ class SystemSpec:
     # faster (collectives.Transport.choose); True sets collectives.BACKEND on every unit, the backend's
     # own collectives, to measure both on one machine.
     backend_collectives: bool = False
+    # fsdp_lite logs each collective and compares the ranks' logs when a wait stalls
+    # (fsdp_lite/order.py); False turns that off, to measure what it costs.
+    order_check: bool = True
 
 
 def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
@@ -94,6 +99,7 @@ def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
         SystemSpec("fsdp_lite/FULL_SHARD", "lite", "FULL_SHARD", (2, 1, 0)),
         SystemSpec(LITE_FSDP2, "lite_fsdp2", theory=(2, 1, 0)),
         SystemSpec(COLLECTIVES_VARIANT, "lite", "FULL_SHARD", (2, 1, 0), backend_collectives=True),
+        SystemSpec(NO_ORDER_CHECK, "lite", "FULL_SHARD", (2, 1, 0), order_check=False),
         SystemSpec("fsdp_lite/SHARD_GRAD_OP", "lite", "SHARD_GRAD_OP", (1, 1, 0)),
         SystemSpec("fsdp_lite/NO_SHARD", "lite", "NO_SHARD", (0, 0, 1)),
     ]
@@ -199,6 +205,8 @@ def build_system(
     if spec.backend_collectives:  # the /collectives variant: the backend's own collectives
         for owner in unit_owners(model):
             owner._unit.transport = collectives.BACKEND
+    if not spec.order_check:
+        fsdp_lite.set_collective_order_check(model, False)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     return System(spec, model, optim, autocast)
 

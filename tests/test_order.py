@@ -1,0 +1,124 @@
+"""Collective-order checks (fsdp_lite/order.py): ranks that run different units are named quickly.
+
+Ranks here are plain processes (tests/ranks.py), not under torchrun's agent, which would kill the
+survivors; the process group's timeout is 30 s. Rank 1 skips the last block in its second forward:
+without the check both ranks sat in gloo until the timeout ("Timed out waiting 20000ms for send
+operation to complete" at 20 s); with it, both raise ``CollectiveOrderError`` within seconds,
+naming the units, phase, step and ranks of the first collective they disagree on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import fsdp_lite
+from fsdp_lite.order import CollectiveOrderError, Issued, diverged
+from tests.parity import build_model, loss_fn, rank_batch
+from tests.ranks import run_ranks
+
+
+def _skipping_forward(model, skip: bool):
+    def forward(idx):
+        x = model.tok(idx) + model.pos[: idx.size(1)]
+        for block in model.blocks[:-1] if skip else model.blocks:
+            x = block(x)
+        return model.head(model.ln_f(x))
+
+    return forward
+
+
+def _diverging_rank(rank: int, world_size: int, front: str, slow_only: bool) -> dict:
+    model = build_model("lm_untied")
+    if front == "fully_shard":
+        for block in model.blocks:
+            fsdp_lite.fully_shard(block)
+        fsdp_lite.fully_shard(model)
+        inner = model  # the module whose forward loops over the blocks
+    else:
+        model = fsdp_lite.FullyShardedDataParallel(
+            model, auto_wrap_policy=fsdp_lite.wrap.ModuleWrapPolicy({type(model.blocks[0])})
+        )
+        inner = model.module
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = time.monotonic()
+    try:
+        for step in (1, 2, 3):
+            x, y = rank_batch("lm", step, rank, world_size)
+            late = rank == 1 and step == 2
+            if late and slow_only:
+                time.sleep(2.5)  # a slow rank, not a divergent one: no error
+            if late and not slow_only:
+                inner.forward = _skipping_forward(inner, skip=True)  # the hooks still run
+            loss_fn("lm", model(x), y).backward()
+            inner.__dict__.pop("forward", None)
+            optim.step()
+            optim.zero_grad()
+    except CollectiveOrderError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("front", ["fully_shard", "FullyShardedDataParallel"])
+def test_a_unit_skipped_on_one_rank_is_named_on_every_rank_within_seconds(tmp_path, front):
+    results = run_ranks(_diverging_rank, 2, tmp_path, args=(front, False), timeout=30)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, f"rank {rank} saw no order error"
+        assert r["seconds"] < 10, f"rank {rank} took {r['seconds']:.1f} s"
+        assert r["error"].startswith("fsdp_lite: ranks diverged at collective"), r["error"]
+        assert "rank 0 all-gathered unit 'blocks.1' in backward of step 2" in r["error"], r["error"]
+        assert "rank 1 all-gathered unit 'blocks.0' in backward of step 2" in r["error"], r["error"]
+    assert results[0]["error"] == results[1]["error"]
+
+
+def test_a_slow_rank_is_not_a_divergence(tmp_path):
+    results = run_ranks(_diverging_rank, 2, tmp_path, args=("fully_shard", True), timeout=60)
+    assert [r["error"] for r in results] == [None, None]
+
+
+def _log(*entries: tuple, waiting_on: int) -> dict:
+    issued = [
+        Issued(seq, step, kind, unit, phase, 8)
+        for seq, (step, kind, unit, phase) in enumerate(entries)
+    ]
+    return {"waiting_on": waiting_on, "entries": [vars(e) for e in issued]}
+
+
+def test_diverged_names_the_first_collective_the_logs_disagree_on():
+    logs = {
+        0: _log(
+            (1, "all_gather", "blocks.0", "forward"),
+            (1, "all_gather", "blocks.1", "forward"),
+            waiting_on=1,
+        ),
+        1: _log(
+            (1, "all_gather", "blocks.0", "forward"),
+            (1, "reduce_scatter", "", "backward"),
+            waiting_on=1,
+        ),
+    }
+    message = diverged([0, 1], logs)
+    assert message.startswith(
+        "fsdp_lite: ranks diverged at collective 1 of group [0, 1]: rank 0 all-gathered unit "
+        "'blocks.1' in forward of step 1 (8 elements); rank 1 reduce-scattered unit '<root>' in "
+        "backward of step 1 (8 elements). Every rank must run the same units"
+    ), message
+
+
+def test_diverged_is_none_for_logs_that_agree_as_far_as_they_go():
+    first = (1, "all_gather", "blocks.0", "forward")
+    logs = {0: _log(first, first, waiting_on=1), 1: _log(first, waiting_on=0)}
+    assert diverged([0, 1, 2], logs) is None  # rank 2 has not published: maybe just slow
+
+
+def test_diverged_names_ranks_waiting_on_different_collectives():
+    first = (1, "all_gather", "blocks.0", "forward")
+    logs = {0: _log(first, first, waiting_on=1), 1: _log(first, waiting_on=0)}
+    message = diverged([0, 1], logs)
+    assert message.startswith(
+        "fsdp_lite: ranks [0, 1] wait on different collectives: rank 0 waits on collective 1 "
+        "(all-gathered unit 'blocks.0' in forward of step 1 (8 elements)); rank 1 waits on "
+        "collective 0"
+    ), message
