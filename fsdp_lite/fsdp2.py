@@ -159,7 +159,7 @@ def fully_shard(
             placement = shard_placement_fn(param)
             if placement is not None and placement != Shard(0):
                 raise NotImplementedError(
-                    f"shard_placement_fn gave {name!r} {placement}; only Shard(0) is built"
+                    f"shard_placement_fn gave {name!r} {placement!r}; only Shard(0) is built"
                 )
     _move_to_device(tree, config)
     check_tensor_parallel_params(tree, config, "fully_shard")

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 import fsdp_lite
 from conformance.tp_models import TPLM, batch, build_tplm, loss_fn, parallelize
@@ -201,6 +202,10 @@ def _bad_mesh_rank(rank: int, world_size: int, case: str) -> str:
             mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "shard", "tp"))
             model = parallelize(build_tplm(), mesh3["tp"])
             fsdp_lite.fully_shard(model.blocks[0], mesh=mesh3["rep", "shard"])
+        elif case == "shard_dim":  # fsdp_lite's dp shards dim 0, whatever TP does with it
+            fsdp_lite.fully_shard(
+                model.blocks[0], mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1)
+            )
         elif case == "fsdp1":
             fsdp_lite.FullyShardedDataParallel(model, device_mesh=mesh["dp"], use_orig_params=True)
     except (ValueError, NotImplementedError) as e:
@@ -214,6 +219,8 @@ BAD_MESHES = {
     "other_mesh": "ValueError: parameter 'attn_norm.weight': its tensor-parallel mesh and the "
     "sharding mesh are not dims of one DeviceMesh",
     "hsdp": "NotImplementedError: parameter 'attn_norm.weight': tensor parallel with HSDP",
+    "shard_dim": "NotImplementedError: shard_placement_fn gave 'attn_norm.weight' Shard(dim=1); "
+    "only Shard(0) is built",
     "fsdp1": "NotImplementedError: parameter 'tok.weight' is a DTensor (tensor parallel); "
     "FullyShardedDataParallel does not shard DTensors: use fully_shard(module, mesh=mesh['dp'])",
 }
