@@ -36,7 +36,7 @@ from fsdp_lite.mixed_precision import (
     resolve,
 )
 from fsdp_lite.names import clean_name
-from fsdp_lite.param import ShardedParam, TensorParallel, padded_numel
+from fsdp_lite.param import ShardedParam, TensorParallel, padded_numel, with_local
 from fsdp_lite.unit import ShardedUnit, owns_unit
 
 __all__ = ["UnitConfig"]
@@ -623,14 +623,7 @@ def _materialize(
                 buffer = None
                 data = torch.empty(shape, dtype=param.dtype, device=config.device)
             if isinstance(param, DTensor):
-                data = DTensor.from_local(
-                    data,
-                    param.device_mesh,
-                    param.placements,
-                    run_check=False,
-                    shape=param.shape,
-                    stride=param.stride(),
-                )
+                data = with_local(param, data)  # its TP layout, around the real local tensor
             real = nn.Parameter(data, requires_grad=param.requires_grad)
             if buffer is not None:
                 buffers[real] = buffer
