@@ -1,7 +1,7 @@
 """Property test: random small models train like DDP under every strategy, policy and front.
 
-Hypothesis draws a model (an embedding, Linears of odd widths down to 1, LayerNorms, frozen
-layers, a layer applied twice, a head tied to the embedding, an unused zero-size parameter,
+Hypothesis draws a model (an embedding, a Conv1d over the sequence, Linears of odd widths down
+to 1, LayerNorms, frozen layers, a layer applied twice, a head tied to the embedding, an unused zero-size parameter,
 buffers of several dtypes), a strategy, a wrap policy and a front (the FSDP1 wrapper or
 ``fully_shard``). Every rank builds it from the same seed, trains two steps of SGD with momentum
 beside DDP, and the losses and every full parameter must be DDP's: bitwise at 2 ranks, within
@@ -39,6 +39,7 @@ class Spec:
     layer_norm: tuple[bool, ...]
     frozen: tuple[bool, ...]  # per hidden Linear
     twice: bool  # the first hidden Linear, square, applied twice
+    conv: bool  # a Conv1d over the sequence after the embedding, with a residual
     tie_head: bool
     zero_size: bool
     buffer_dtype: str
@@ -61,6 +62,7 @@ def specs(draw) -> Spec:
         layer_norm=tuple(draw(st.lists(st.booleans(), min_size=depth, max_size=depth))),
         frozen=tuple(draw(st.lists(st.booleans(), min_size=depth, max_size=depth))),
         twice=draw(st.booleans()),
+        conv=draw(st.booleans()),
         tie_head=draw(st.booleans()),
         zero_size=draw(st.booleans()),
         buffer_dtype=draw(st.sampled_from(["float32", "float64", "int64"])),
@@ -76,6 +78,8 @@ class Drawn(nn.Module):
         super().__init__()
         width0 = spec.widths[-1] if spec.tie_head else spec.widths[0]
         self.embed = nn.Embedding(spec.vocab, width0)
+        # A 3-D weight (channels out, channels in, kernel): sharded on dim 0 like any other.
+        self.conv = nn.Conv1d(width0, width0, kernel_size=3, padding=1) if spec.conv else None
         layers, norms, previous = [], [], width0
         for i, width in enumerate(spec.widths):
             square = spec.twice and i == 0
@@ -96,6 +100,8 @@ class Drawn(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.offset.float().sum() * 1e-3
+        if self.conv is not None:
+            x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)  # (batch, seq, channels)
         for i, (layer, norm) in enumerate(zip(self.layers, self.norms)):
             x = torch.tanh(norm(layer(x)))
             if i == 0 and self.twice:
@@ -113,6 +119,7 @@ def _sharded(spec: Spec) -> nn.Module:
     tied = model.head.weight is model.embed.weight
     # A module sharing a parameter with the root's embedding stays in the root's unit.
     own = [m for m in model.layers] + ([] if tied else [model.head])
+    own += [model.conv] if model.conv is not None else []
     if spec.front == "fsdp2":
         if spec.policy != "none":
             for m in own:
@@ -120,7 +127,7 @@ def _sharded(spec: Spec) -> nn.Module:
         fsdp_lite.fully_shard(model, reshard_after_forward=spec.strategy == "FULL_SHARD")
         return model
     policy = {
-        "linears": ModuleWrapPolicy({nn.Linear}) if not tied else None,
+        "linears": ModuleWrapPolicy({nn.Linear, nn.Conv1d}) if not tied else None,
         "none": None,
         "size": lambda module, recurse, nonwrapped_numel: (
             size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=20)
