@@ -4,7 +4,7 @@ Accelerate, HF Trainer, Lightning Fabric, torchtitan and torch's pipelining deci
 model by ``isinstance(module, FSDPModule)`` with torch's class. fsdp_lite's ``FSDPModule``
 (fsdp2.py) derives from torch's class for that check alone: it defines every method torch's class
 defines, so none of torch's FSDP code runs on our modules (tests/test_interop.py checks both). This
-is the one file in fsdp_lite that names torch's FSDP.
+is the one file in fsdp_lite that names torch's FSDP, and it imports only the class.
 
 One client reads further: torch's pipelining, having seen an ``FSDPModule``, ends a step's backward
 with ``fully_shard.state(module)`` and calls three methods on what that returns (stage.py's
@@ -16,11 +16,11 @@ found through the lookup function itself, so the calls reach fsdp_lite's code
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 __all__ = ["TorchFSDPModule", "register_state"]
 
@@ -28,7 +28,9 @@ __all__ = ["TorchFSDPModule", "register_state"]
 def _state_slot() -> tuple[str, Any] | None:
     """(module attribute, key) where torch's ``fully_shard.state(module)`` finds a state: what its
     ``module.__dict__[STATE_KEY].get(func)`` reads. None where this torch looks elsewhere."""
-    lookup = getattr(_torch_fully_shard, "state", None)
+    # torch's fully_shard is defined beside its FSDPModule class; only its lookup is read here.
+    torch_fully_shard = getattr(sys.modules.get(TorchFSDPModule.__module__), "fully_shard", None)
+    lookup = getattr(torch_fully_shard, "state", None)
     if lookup is None:
         return None
     names = inspect.getclosurevars(lookup)

@@ -1,8 +1,7 @@
 """The sharding is our own: nothing in fsdp_lite/ names torch's FSDP packages.
 
 The one exception the project allows: fsdp_lite/interop.py imports torch's ``FSDPModule`` class, as
-a base class for isinstance checks, and torch's ``fully_shard`` function, only to find where its
-``state()`` lookup looks (tests/test_interop.py shows none of torch's FSDP code runs).
+a base class for isinstance checks (tests/test_interop.py shows none of its code runs).
 """
 
 from __future__ import annotations
@@ -13,10 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_lite"
 NATIVE = re.compile(r"torch\.distributed\.(fsdp|_composable)")
 ALLOWED = {
-    "fsdp_lite/interop.py": {
-        "from torch.distributed.fsdp import FSDPModule as TorchFSDPModule",
-        "from torch.distributed.fsdp import fully_shard as _torch_fully_shard",
-    }
+    "fsdp_lite/interop.py": {"from torch.distributed.fsdp import FSDPModule as TorchFSDPModule"}
 }
 
 
