@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -26,6 +27,40 @@ import fsdp_lite  # noqa: E402
 from conformance.tp_models import batch, build_tplm, loss_fn, parallelize  # noqa: E402
 from fsdp_lite.trace import CollectiveTrace, explain, plot_timeline, record_collectives  # noqa: E402
 from fsdp_lite.unit import unit_owners  # noqa: E402
+
+
+class CountFunctionalBytes(TorchDispatchMode):
+    """Bytes this rank sends in DTensor's collectives (the ``_c10d_functional`` ops TP issues),
+    by ring volume: an all-gather sends its input to each of g-1 peers, a reduce-scatter
+    (g-1)/g of its input, an all-reduce twice that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._opname in _FUNCTIONAL:
+            tensor, group_size = args[0], _FUNCTIONAL[func._opname](args)
+            nbytes = tensor.numel() * tensor.element_size()
+            factor = {
+                "all_gather_into_tensor": group_size - 1,
+                "reduce_scatter_tensor": (group_size - 1) / group_size,
+                "all_reduce": 2 * (group_size - 1) / group_size,
+            }[func._opname]
+            self.sent[func._opname] = self.sent.get(func._opname, 0) + int(nbytes * factor)
+        return func(*args, **(kwargs or {}))
+
+
+def _group_size_from_name(name: str) -> int:
+    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(name))
+
+
+# op -> its group size from its arguments (tensor, ..., group_size or group_name)
+_FUNCTIONAL = {
+    "all_gather_into_tensor": lambda args: args[1],
+    "reduce_scatter_tensor": lambda args: args[2],
+    "all_reduce": lambda args: _group_size_from_name(args[2]),
+}
 
 
 def main() -> int:
@@ -49,8 +84,8 @@ def main() -> int:
         optim.zero_grad()
 
     step(0)
-    comm = CommDebugMode()
-    with record_collectives(model, optim) as trace, comm:
+    comm, tp_bytes = CommDebugMode(), CountFunctionalBytes()
+    with record_collectives(model, optim) as trace, comm, tp_bytes:
         step(1)
     traces: list = [None] * dist.get_world_size()
     dist.all_gather_object(traces, trace.to_json())
@@ -76,7 +111,9 @@ def main() -> int:
         counts = comm.get_comm_counts()
         print("\ntensor parallel's collectives in step 2 (DTensor, over the tp group of 2):")
         for op, n in sorted(counts.items(), key=lambda kv: str(kv[0])):
-            print(f"  {str(op).split('.')[-1]:<28} {n:>3}")
+            name = str(op).split(".")[-1]
+            sent = tp_bytes.sent.get(name, 0)
+            print(f"  {name:<28} {n:>3}   {sent:>7} bytes sent by this rank")
         if args.png:
             plot_timeline(
                 [CollectiveTrace.from_json(t) for t in traces],
