@@ -358,6 +358,13 @@ class FSDPModule(TorchFSDPModule):
         for m in self._owners(recurse):
             m._unit.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters within the shard group but skips the all-reduce across
+        replicas, keeping the sum for the next backward that all-reduces (gradient accumulation
+        with less traffic); the gradients land then. No effect without replicas."""
+        for m in self._owners(recurse):
+            m._unit.requires_all_reduce = requires_all_reduce
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the unsharded params (the root's too, as an explicit True does)."""
         for m in self._owners(recurse):
@@ -493,7 +500,6 @@ def _not_built_method(name: str) -> Callable:
 
 
 for _name in (
-    "set_requires_all_reduce",
     "set_custom_all_gather",
     "set_custom_reduce_scatter",
     "set_all_reduce_hook",

@@ -154,6 +154,10 @@ class ShardedUnit:
         self.is_last_backward = True
         # A backward without gradient sync left gradients on the unsharded params, not reduced.
         self.grads_unreduced = False
+        # False (FSDP2's set_requires_all_reduce, HSDP only): reduce-scatter within the shard
+        # group but skip the all-reduce across replicas; the sum waits in _partial_reduce_output.
+        self.requires_all_reduce = True
+        self._partial_reduce_output: torch.Tensor | None = None
         # As the root, keep the unsharded params after forward (backward starts with them);
         # FSDP2's explicit reshard_after_forward=True on the root frees them.
         self.root_keeps_params = True
@@ -467,6 +471,14 @@ class ShardedUnit:
             output = result.wait(pending.on_stall)
         self._record_done(kind)
         if self.replicate_group is not None:
+            if self._partial_reduce_output is not None:  # what backwards without it summed
+                output.add_(self._partial_reduce_output)
+                self._partial_reduce_output = None
+            if not self.requires_all_reduce:
+                # HSDP accumulation (FSDP2's set_requires_all_reduce(False)): keep this shard
+                # group's sum, unscaled, for the next backward that all-reduces; no grad yet.
+                self._partial_reduce_output = output
+                return
             # HYBRID_SHARD: every replica holds the same 1/N slice; sum it across them.
             stalled = self._record("all_reduce", "backward", output, self.replicate_group)
             with self._failing_names("all_reduce", "backward", self.replicate_group):
