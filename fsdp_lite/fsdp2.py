@@ -365,6 +365,11 @@ class FSDPModule(TorchFSDPModule):
         for m in self._owners(recurse):
             m._unit.requires_all_reduce = requires_all_reduce
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this module's backward needs none of its parameters (an embedding: its weight's
+        gradient reads only the indices and the output's gradient), so it all-gathers nothing."""
+        self._unit.unshard_in_backward = unshard_in_backward
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the unsharded params (the root's too, as an explicit True does)."""
         for m in self._owners(recurse):
@@ -506,7 +511,6 @@ for _name in (
     "set_reduce_scatter_unused_params",
     "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",
-    "set_unshard_in_backward",
     "set_allocate_memory_from_process_group_for_comm",
     "set_symm_mem_for_comm",
 ):

@@ -276,8 +276,9 @@ class StepRuntime:
             Variable._execution_engine.queue_callback(self.finalize_backward)
             self._callback_queued = True
         unit.training_state = TrainingState.BACKWARD
-        unit.unshard("backward")
-        unit.wait_for_unshard()
+        if unit.unshard_in_backward:  # FSDP2's set_unshard_in_backward(False): e.g. an embedding
+            unit.unshard("backward")
+            unit.wait_for_unshard()
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE or unit.backward_prefetch_units:
             self._prefetch(unit, step=-1, phase="backward")
         if unit.trace is not None:
@@ -371,7 +372,7 @@ class StepRuntime:
             index = position[unit] + step if unit in position else -1
             targets = [order[index]] if 0 <= index < len(order) else []
         for target in targets:
-            if phase == "backward" and target.ran_pre_backward:
+            if phase == "backward" and (target.ran_pre_backward or not target.unshard_in_backward):
                 continue  # its backward already ran (BACKWARD_POST from the root, at the end)
             if target.needs_all_gather():
                 target.unshard(phase, async_op=True)

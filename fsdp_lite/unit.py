@@ -157,6 +157,9 @@ class ShardedUnit:
         # False (FSDP2's set_requires_all_reduce, HSDP only): reduce-scatter within the shard
         # group but skip the all-reduce across replicas; the sum waits in _partial_reduce_output.
         self.requires_all_reduce = True
+        # False (FSDP2's set_unshard_in_backward): backward needs none of these params (an
+        # embedding's weight gradient reads only indices and output gradients): no gather.
+        self.unshard_in_backward = True
         self._partial_reduce_output: torch.Tensor | None = None
         # As the root, keep the unsharded params after forward (backward starts with them);
         # FSDP2's explicit reshard_after_forward=True on the root frees them.

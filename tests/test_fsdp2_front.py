@@ -242,8 +242,8 @@ def _check_contracts(rank, world_size):
     _assert_same(runs["torch's"], runs["fsdp_lite's"], "torch's MixedPrecisionPolicy")
     with pytest.raises(TypeError, match="mp_policy must be fsdp_lite.fsdp2.MixedPrecisionPolicy"):
         fsdp_lite.fully_shard(build_model("mlp"), mp_policy=BF16)
-    with pytest.raises(NotImplementedError, match="set_unshard_in_backward"):
-        model.set_unshard_in_backward(False)
+    with pytest.raises(NotImplementedError, match="set_custom_all_gather"):
+        model.set_custom_all_gather(None)
 
     class Event:  # what set_post_optim_event needs of an event: wait()
         waited = 0

@@ -1,4 +1,6 @@
-"""HSDP gradient accumulation without the replicas' all-reduce (FSDP2's set_requires_all_reduce).
+"""FSDP2's expert switches on the FSDP2 front: set_requires_all_reduce and set_unshard_in_backward.
+
+HSDP gradient accumulation without the replicas' all-reduce (set_requires_all_reduce):
 
 4 gloo ranks as 2 replicas x 2 shards, ``fully_shard`` per block and root on the 2-D mesh. Two
 microbatches per step: the first backward with ``set_requires_all_reduce(False)`` reduce-scatters
@@ -71,3 +73,39 @@ def test_skipping_the_first_all_reduce_accumulates_the_same_gradients(tmp_path):
         # 3 units, 2 steps: an all-reduce per unit per backward, or only in the second.
         assert r["every"]["all_reduces"] == 3 * 4, r["every"]["all_reduces"]
         assert r["skip"]["all_reduces"] == 3 * 2, r["skip"]["all_reduces"]
+
+
+def _embedding_rank(rank: int, world_size: int) -> dict:
+    runs = {}
+    for skip in (False, True):
+        model = build_model("lm_untied")
+        fsdp_lite.fully_shard(model.tok)  # the embedding in a unit of its own
+        for block in model.blocks:
+            fsdp_lite.fully_shard(block)
+        fsdp_lite.fully_shard(model)
+        model.tok.set_unshard_in_backward(not skip)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        gathers = 0
+        for step in range(2):
+            x, y = rank_batch("lm", step, rank, world_size)
+            with record_collectives(model) as trace:
+                loss_fn("lm", model(x), y).backward()
+            gathers += trace.count("all_gather", phase="backward", unit="tok")
+            optim.step()
+            optim.zero_grad()
+        runs[skip] = {"params": [p.detach().to_local().clone() for p in model.parameters()]}
+        runs[skip]["tok_backward_gathers"] = gathers
+    return {
+        "bitwise": all(
+            torch.equal(a, b) for a, b in zip(runs[False]["params"], runs[True]["params"])
+        ),
+        "gathers": (runs[False]["tok_backward_gathers"], runs[True]["tok_backward_gathers"]),
+    }
+
+
+def test_an_embedding_that_skips_its_backward_all_gather_trains_the_same(tmp_path):
+    for rank, r in enumerate(run_ranks(_embedding_rank, 2, tmp_path, timeout=120)):
+        assert r["bitwise"], f"rank {rank}"
+        assert r["gathers"] == (2, 0), (
+            f"rank {rank}: the embedding's backward gathers {r['gathers']}"
+        )
