@@ -31,9 +31,8 @@ CONFIGS = [
 
 def _sharded(front: str, mode: str, dtype: str) -> torch.nn.Module:
     model = build_model("lm_untied")
-    compiled = mode is not None
     bf16 = dtype == "bf16"
-    if compiled and mode == "per_block":
+    if mode == "per_block":
         for block in model.blocks:
             block.compile()  # then shard it: torchtitan's order
     if front in ("fully_shard", "torch_fully_shard"):
@@ -63,7 +62,7 @@ def _sharded(front: str, mode: str, dtype: str) -> torch.nn.Module:
             use_orig_params=True,
             device_id=torch.device("cpu"),
         )
-    if compiled and mode == "whole":
+    if mode == "whole":
         model = torch.compile(model)
     return model
 

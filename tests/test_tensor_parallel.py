@@ -64,7 +64,7 @@ def _tp_rank(rank: int, world_size: int, checkpoint: str) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
-    reference, ref_optim = build_tplm(), None
+    reference = build_tplm()
     ref_optim = _optimizer(reference)
     ref_after = []  # the single-process model on the global batch, after each step
     for step in range(STEPS):
