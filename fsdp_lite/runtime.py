@@ -295,8 +295,6 @@ class StepRuntime:
             unit.trace.compute(unit, "backward", "end")
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch(unit, step=-1, phase="backward")
-        if not unit.requires_gradient_sync and unit.trainable:
-            unit.grads_unreduced = True
         if unit.requires_gradient_sync and unit.trainable:
             # A reduction in flight holds its unit's whole gradient buffer until it lands. The
             # previous one has had this unit's whole backward to finish: land it before packing

@@ -196,7 +196,9 @@ class ShardedUnit:
         # Log every collective and compare the ranks' logs when a wait stalls (Note [Collective
         # order] in order.py); scripts/bench.py turns it off to measure its cost.
         self.order_check = True
-        self._order_logs: dict = {}  # group -> its order.OrderLog, looked up once
+        self._order_logs = {  # group -> its order.OrderLog
+            g: order.log_for(g) for g in (group, replicate_group) if g is not None
+        }
         self._pending_reduce: PendingReduce | None = None  # a reduction in flight
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
         # Frozen params whose unsharded copy backward may read after the last gradient is in
@@ -569,10 +571,7 @@ class ShardedUnit:
             self.trace.record(kind=kind, unit=self.name, phase=phase, tensor=tensor)
         if not self.order_check:
             return None
-        group = group or self.group
-        log = self._order_logs.get(group)
-        if log is None:
-            log = self._order_logs[group] = order.log_for(group)
+        log = self._order_logs[group or self.group]
         step = getattr(self.runtime, "step", 1)
         return functools.partial(
             log.stalled, log.issued(step, kind, self.name, phase, tensor.numel())
