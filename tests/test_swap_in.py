@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "torch_fsdp_user_script.py"
 
 
-def _run(script: Path, out: Path, *extra: Path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+# torch's own run of a script has died, rarely, of a signal in gloo with "terminate called
+# without an active exception" (once in CI, 0 of 25 reruns here). It is the reference, not the
+# code under test, so it gets one more try, with a warning; fsdp_lite's run gets none.
+_NATIVE_CRASHES = ("Signal 6 (SIGABRT)", "Signal 11 (SIGSEGV)")
+
+
+def _run(script: Path, out: Path, *extra: Path, reference: bool = False):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     cmd = [
         sys.executable,
         "-m",
@@ -28,6 +36,15 @@ def _run(script: Path, out: Path, *extra: Path):
         *map(str, extra),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    if reference and proc.returncode != 0 and any(s in proc.stderr for s in _NATIVE_CRASHES):
+        warnings.warn(
+            f"torch's run of {script.name} crashed; rerunning it:\n{proc.stderr[-2000:]}",
+            stacklevel=2,
+        )
+        for path in extra:  # a checkpoint directory: start it empty again
+            shutil.rmtree(path)
+            path.mkdir()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (
         f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
@@ -45,7 +62,7 @@ def test_torch_fsdp_script_gives_same_losses_after_changing_only_its_imports(tmp
     assert len(changed) == 3 and all("import" in a for a, _ in changed), changed
     ours = tmp_path / "fsdp_lite_script.py"
     ours.write_text(swapped)
-    native = _run(SCRIPT, tmp_path / "native.json")
+    native = _run(SCRIPT, tmp_path / "native.json", reference=True)
     lite = _run(ours, tmp_path / "lite.json")
     assert len(native) == len(lite) == 4
     for step, ((loss_n, norm_n), (loss_l, norm_l)) in enumerate(zip(native, lite)):
@@ -70,7 +87,9 @@ def test_torch_fsdp2_script_ends_in_the_same_state_after_changing_only_its_impor
     for name, script in (("native", SCRIPT_FSDP2), ("lite", ours)):
         checkpoints = tmp_path / f"checkpoints_{name}"
         checkpoints.mkdir()
-        runs[name] = _run(script, tmp_path / f"{name}.json", checkpoints)
+        runs[name] = _run(
+            script, tmp_path / f"{name}.json", checkpoints, reference=name == "native"
+        )
     # Meta init, bf16 compute with fp32 reduction, explicit prefetch, clip, a full-state-dict
     # checkpoint and the resume from it: the same arithmetic in the same order, so bitwise.
     assert runs["lite"]["losses"] == runs["native"]["losses"]
