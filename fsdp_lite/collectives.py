@@ -9,7 +9,9 @@ per-parameter functions at the bottom are the plain versions the flat ones are t
 
 from __future__ import annotations
 
+import functools
 import pickle
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -124,9 +126,23 @@ BACKEND = Transport()  # the backend's own all-gather and reduce-scatter, everyw
 
 
 # Point-to-point tags, one per kind, so that a gather's messages can never be matched with a
-# reduction's in flight between the same two ranks.
+# reduction's in flight between the same two ranks. Units pass tags of their own (``p2p_tag``).
 _ALL_GATHER_TAG = 0x5A1
 _REDUCE_SCATTER_TAG = 0x5A2
+_UNIT_TAGS = 0x40000000  # unit tags lie in [2**30, 2**31): gloo takes non-negative int32 tags
+
+
+@functools.lru_cache(maxsize=4096)
+def p2p_tag(kind: str, unit_name: str) -> int:
+    """The point-to-point tag of one kind of collective of one unit, the same on every rank.
+
+    Ranks that diverge (one gathers unit 'blocks.1', its peer 'blocks.0', or the root in
+    ``state_dict`` on one rank only) then wait on messages that never pair, which the collective
+    order check names (order.py). With one tag for all, gloo pairs the two gathers: same-size
+    ones complete with the wrong unit's rows, and different sizes abort the process in gloo's
+    I/O thread ("Received data size doesn't match expected size"), with no Python error.
+    """
+    return _UNIT_TAGS | (zlib.crc32(f"{kind}:{unit_name}".encode()) & (_UNIT_TAGS - 1))
 
 
 def grad_divide_factors(world_size: int) -> tuple[float, float]:
@@ -164,10 +180,14 @@ def all_gather(
     async_op: bool = False,
     all_gather_output: torch.Tensor | None = None,
     transport: Transport | None = None,
+    tag: int = _ALL_GATHER_TAG,
+    on_stall: Callable[[], None] | None = None,
 ) -> AllGatherResult:
     """Concatenate every rank's ``all_gather_input`` in rank order (into ``all_gather_output``
     if given, which may hold the input in this rank's slot: see ``all_gather_buffers``).
-    ``transport`` default: ``Transport.choose`` for the group and the input's device.
+    ``transport`` default: ``Transport.choose`` for the group and the input's device; ``tag``
+    marks the point-to-point messages of a gather by sends (see ``p2p_tag``); ``on_stall`` is
+    what a synchronous gather's wait calls while it stalls (``AllGatherResult.wait``).
 
     2 ranks, one unit of two parameters, shard numels 2 and 1:
       rank 0 all_gather_input [a0 a1 | b0]    rank 1 all_gather_input [a2 a3 | b1]
@@ -182,8 +202,8 @@ def all_gather(
         if not _same_memory(rows[rank], all_gather_input):
             rows[rank].copy_(all_gather_input)
         peers = [r for r in range(world_size) if r != rank]
-        works = [_isend(rows[rank], r, group, _ALL_GATHER_TAG) for r in peers]
-        works += [_irecv(rows[r], r, group, _ALL_GATHER_TAG) for r in peers]
+        works = [_isend(rows[rank], r, group, tag) for r in peers]
+        works += [_irecv(rows[r], r, group, tag) for r in peers]
         result = AllGatherResult(all_gather_output, works)
     else:
         work = _all_gather_single(
@@ -191,7 +211,7 @@ def all_gather(
         )
         result = AllGatherResult(all_gather_output, [work] if async_op else [])
     if not async_op:
-        result.wait()
+        result.wait(on_stall)
     return result
 
 
@@ -258,9 +278,10 @@ def reduce_scatter(
     group: dist.ProcessGroup,
     async_op: bool = False,
     transport: Transport | None = None,
+    tag: int = _REDUCE_SCATTER_TAG,
 ) -> ReduceResult:
-    """Sum row r of every rank's ``reduce_scatter_input`` onto rank r (``transport`` as for
-    ``all_gather``).
+    """Sum row r of every rank's ``reduce_scatter_input`` onto rank r (``transport`` and
+    ``tag`` as for ``all_gather``).
 
     2 ranks, reduce_scatter of a 4-element gradient:
       rank 0 reduce_scatter_input [1, 2, 3, 4]    rank 1 reduce_scatter_input [5, 6, 7, 8]
@@ -269,7 +290,7 @@ def reduce_scatter(
     world_size = dist.get_world_size(group)
     transport = transport or Transport.choose(group, reduce_scatter_input.device)
     if transport.reduce_scatter_by_sends and world_size == 2:
-        result = _reduce_scatter_by_sends(reduce_scatter_input, group)
+        result = _reduce_scatter_by_sends(reduce_scatter_input, group, tag)
         if not async_op:
             result.wait()
         return result
@@ -281,7 +302,7 @@ def reduce_scatter(
 
 
 def _reduce_scatter_by_sends(
-    reduce_scatter_input: torch.Tensor, group: dist.ProcessGroup
+    reduce_scatter_input: torch.Tensor, group: dist.ProcessGroup, tag: int
 ) -> ReduceResult:
     """2 ranks: send the peer's row, receive the peer's row for this one; ``wait()`` adds."""
     rank = dist.get_rank(group)
@@ -289,8 +310,8 @@ def _reduce_scatter_by_sends(
     rows = reduce_scatter_input.view(2, -1)  # (2, unit_shard_numel)
     received = rows.new_empty(rows.size(1))
     works = [
-        _isend(rows[peer], peer, group, _REDUCE_SCATTER_TAG),
-        _irecv(received, peer, group, _REDUCE_SCATTER_TAG),
+        _isend(rows[peer], peer, group, tag),
+        _irecv(received, peer, group, tag),
     ]
     return ReduceResult(rows[rank], reduce_scatter_input, works, received)
 

@@ -339,7 +339,8 @@ def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> 
     if device_id is None:
         devices = {p.device for p in module.parameters() if not p.is_meta}
         if len(devices) > 1:
-            raise ValueError(f"module has parameters on several devices {devices}; pass device_id")
+            names = sorted(map(str, devices))
+            raise ValueError(f"module has parameters on several devices {names}; pass device_id")
         if devices:
             return devices.pop()
         # Nothing materialized (or no params): the current accelerator if there is one.

@@ -16,8 +16,11 @@ timeout. A slow peer is no divergence: the logs agree, and the wait goes on. Cos
 not done at once hands the blocking ``Work.wait()`` to a helper thread and sleeps on an event
 (CPU tensors only: an accelerator's ``wait`` queues on a stream and must not block the host); a
 store round trip per stalled second.
-Not caught: divergent collectives that happen to pair up completely (same count, sizes and
-kinds), and ranks that stall outside fsdp_lite's collectives.
+Where a gather or reduce-scatter goes by sends (gloo, CPU), each unit's messages carry a tag of
+their own (``collectives.p2p_tag``), so two ranks on different units stall at once instead of
+pairing: same-size units would exchange the wrong rows, different sizes abort the process in
+gloo. Not caught: a divergence among the backend's own collectives that pairs up completely
+(same count and sizes), and ranks that stall outside fsdp_lite's collectives.
 
 The logs are process-wide, one per group: a group's collectives are ordered per process,
 whichever root's runtime issues them (two pipeline stages on one rank share their dp group).

@@ -285,6 +285,8 @@ class ShardedUnit:
                     async_op=async_op,
                     all_gather_output=all_gather_output,
                     transport=self.transport,
+                    tag=collectives.p2p_tag("all_gather", self.name),
+                    on_stall=self._gather_stalled,
                 )
         self._gathering_on_side_stream = side is not None
         self._gather_phase = phase
@@ -446,7 +448,11 @@ class ShardedUnit:
             stalled = self._record(kind, "backward", reduce_scatter_input)
             with self._failing_names(kind, "backward", self.group):
                 result = collectives.reduce_scatter(
-                    reduce_scatter_input, self.group, async_op=True, transport=self.transport
+                    reduce_scatter_input,
+                    self.group,
+                    async_op=True,
+                    transport=self.transport,
+                    tag=collectives.p2p_tag("reduce_scatter", self.name),
                 )
             for p in self.trainable:
                 p.unsharded_param.grad = None  # its data now lives in reduce_scatter_input
@@ -539,8 +545,13 @@ class ShardedUnit:
         all_gather_input = offload.to_device(torch.cat(sharded_flats), self.compute_device)
         stalled = self._record("all_gather", phase, all_gather_input)
         with self._failing_names("all_gather", phase, self.group):
+            # A tag apart from the step's gathers: this one is in full precision, theirs may not be.
             result = collectives.all_gather(
-                all_gather_input, self.group, async_op=True, transport=self.transport
+                all_gather_input,
+                self.group,
+                async_op=True,
+                transport=self.transport,
+                tag=collectives.p2p_tag("all_gather_full", self.name),
             )
             result.wait(stalled)
         self._record_done("all_gather")

@@ -122,3 +122,30 @@ def test_diverged_names_ranks_waiting_on_different_collectives():
         "(all-gathered unit 'blocks.0' in forward of step 1 (8 elements)); rank 1 waits on "
         "collective 0"
     ), message
+
+
+def _state_dict_on_rank_0_only(rank: int, world_size: int) -> dict:
+    model = fsdp_lite.FullyShardedDataParallel(
+        build_model("lm_untied"),
+        auto_wrap_policy=fsdp_lite.wrap.ModuleWrapPolicy({type(build_model("lm").blocks[0])}),
+    )
+    start = time.monotonic()
+    try:
+        for step in (1, 2):
+            if rank == 0 and step == 2:
+                model.state_dict()  # the common bug: "only rank 0 saves", around a collective
+            x, y = rank_batch("lm", step, rank, world_size)
+            loss_fn("lm", model(x), y).backward()
+    except CollectiveOrderError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def test_state_dict_on_one_rank_only_is_named_within_seconds(tmp_path):
+    results = run_ranks(_state_dict_on_rank_0_only, 2, tmp_path, timeout=30)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, f"rank {rank} saw no order error"
+        assert r["seconds"] < 10, f"rank {rank} took {r['seconds']:.1f} s"
+        print(r["error"])
+        assert "in state_dict of step" in r["error"], r["error"]
+        assert "in forward of step 2" in r["error"], r["error"]

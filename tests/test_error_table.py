@@ -1,0 +1,511 @@
+"""docs/errors.md is the table of what fsdp_lite refuses, with the exact text: this keeps it true.
+
+- Every ``raise`` in fsdp_lite/ is in the table (its message's longest literal part appears in
+  docs/errors.md), or in ``NOT_IN_THE_TABLE`` with the reason.
+- Every row names a test, and that test exists.
+- ``CASES`` produces the rows that name ``tests/test_error_table.py``: each case makes its error on 2
+  ranks, and the row must hold the error's exact text (``Type: message``, whitespace collapsed, the
+  case's temporary directory written ``TMP``).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+from fsdp_lite import (
+    CPUOffload,
+    OptimStateKeyType,
+    ShardingStrategy,
+    StateDictType,
+    checkpoint,
+    disk_offload,
+    fully_shard,
+)
+from fsdp_lite import (
+    FullyShardedDataParallel as FSDP,
+)
+from fsdp_lite.estimate import estimate
+from fsdp_lite.wrap import CustomPolicy, ModuleWrapPolicy, enable_wrap, wrap
+from tests.parity import build_model
+from tests.ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "errors.md"
+HERE = "tests/test_error_table.py"
+
+
+@dataclasses.dataclass
+class Ctx:
+    rank: int
+    tmp: Path  # this case's directory, shared by the ranks
+
+    def mlp(self) -> nn.Module:
+        return build_model("mlp")
+
+    def units(self) -> FSDP:
+        """An MLP with each Linear a unit of its own."""
+        return FSDP(self.mlp(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+
+
+def _forward_hook(model: nn.Module, action: Callable[[], object]) -> None:
+    """Make ``action`` run inside the forward of ``model``'s first unit."""
+    model.module.fc2.register_forward_pre_hook(lambda *_: action())
+    model(torch.randn(2, 7))
+
+
+def _torch_sharded_state_dict_at_another_world_size(c: Ctx) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
+    # torch FSDP1's SHARDED_STATE_DICT holds ShardedTensors of this rank's rows of 2...
+    saved_at_2 = TorchFSDP(c.mlp(), device_id=torch.device("cpu"))
+    with TorchFSDP.state_dict_type(saved_at_2, TorchStateDictType.SHARDED_STATE_DICT):
+        saved = saved_at_2.state_dict()
+    # ... loaded where this rank holds all rows (a group of one).
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][c.rank]
+    model = FSDP(c.mlp(), process_group=alone)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(saved)
+
+
+def _after_a_forward(c: Ctx) -> FSDP:
+    model = c.units()
+    model(torch.randn(2, 7))
+    return model
+
+
+def _optimizer_of_the_original_params(c: Ctx) -> None:
+    plain = c.mlp()
+    optim = torch.optim.SGD(plain.parameters(), lr=0.1)
+    FSDP.optim_state_dict(FSDP(plain), optim)
+
+
+def _load_another_models_optimizer_state(c: Ctx) -> None:
+    other = FSDP(nn.Sequential(nn.Linear(3, 3)))
+    other_optim = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other(torch.randn(2, 3)).sum().backward()
+    other_optim.step()
+    saved = FSDP.optim_state_dict(other, other_optim)
+    model = c.units()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    FSDP.optim_state_dict_to_load(model, optim, saved)
+
+
+@dataclasses.dataclass
+class _Foreign:
+    param_dtype: torch.dtype | None = None
+    future_field: int = 1
+
+
+_Foreign.__name__ = _Foreign.__qualname__ = "MixedPrecision"
+_Foreign.__module__ = "torch.distributed.fsdp.future"  # a torch class with a field we lack
+
+
+def _nested_enable_wrap(c: Ctx) -> None:
+    with enable_wrap(wrapper_cls=FSDP), enable_wrap(wrapper_cls=FSDP):
+        wrap(c.mlp())
+
+
+def _auto_wrap_over_a_wrapped_child(c: Ctx) -> None:
+    model = c.mlp()
+    model.fc1 = FSDP(model.fc1)
+    FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+
+
+def _ignore_a_wrapped_child(c: Ctx) -> None:
+    model = c.mlp()
+    model.fc1 = FSDP(model.fc1)
+    FSDP(model, ignored_modules=[model.fc1])
+
+
+def _not_writable(c: Ctx) -> None:
+    # Tests run as root here, who may write anywhere: os.access answers as for a read-only dir.
+    with mock.patch.object(disk_offload.os, "access", return_value=False):
+        FSDP(c.mlp(), cpu_offload=CPUOffload(offload_params=True, offload_dir=c.tmp))
+
+
+def _save_under_a_file(c: Ctx) -> None:
+    if c.rank == 0:
+        (c.tmp / "a_file").write_text("")
+    dist.barrier()
+    model = c.units()
+    checkpoint.save(model, torch.optim.SGD(model.parameters(), lr=0.1), c.tmp / "a_file" / "ckpt")
+
+
+def _fully_shard_twice(c: Ctx) -> None:
+    linear = nn.Linear(4, 4)
+    fully_shard(linear)
+    fully_shard(linear)
+
+
+def _torch_reads_a_state_attribute(c: Ctx) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    linear = nn.Linear(4, 4)
+    fully_shard(linear)
+    torch_fully_shard.state(linear)._fsdp_param_groups_of_torch  # noqa: B018
+
+
+def _prefetch_a_plain_module(c: Ctx) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    model[0].set_modules_to_forward_prefetch([model[1]])
+
+
+def _dtensor_module(mesh: DeviceMesh, placement) -> nn.Module:
+    module = nn.Linear(4, 4)
+    module.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+    if placement is not None:
+        local = module.weight.to_local()
+        module.weight = nn.Parameter(DTensor.from_local(local, mesh, [placement]))
+    return module
+
+
+def _tp_placement_partial(c: Ctx) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    fully_shard(_dtensor_module(mesh["tp"], Partial()), mesh=mesh["dp"])
+
+
+def _tp_with_hsdp(c: Ctx) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    replicas = init_device_mesh("cpu", (dist.get_world_size(), 1))
+    fully_shard(_dtensor_module(mesh["tp"], None), mesh=replicas)
+
+
+def _optimizer_state_of_another_shape(c: Ctx) -> None:
+    model = c.units()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 7)).sum().backward()
+    optim.step()
+    saved = FSDP.optim_state_dict(model, optim)
+    saved["state"]["fc1.weight"]["momentum_buffer"] = torch.zeros(4, 4)
+    FSDP.optim_state_dict_to_load(model, optim, saved)
+
+
+def _unreadable_metadata(c: Ctx) -> None:
+    model = c.units()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpoint.save(model, optim, c.tmp / "ckpt")
+    if c.rank == 0:
+        (c.tmp / "ckpt" / ".metadata").write_bytes(b"not a pickle")
+    dist.barrier()
+    checkpoint.load(model, optim, c.tmp / "ckpt")
+
+
+def _hybrid_shard_over_nodes_of_3(c: Ctx) -> None:
+    with mock.patch.dict(os.environ, LOCAL_WORLD_SIZE="3"):
+        FSDP(c.mlp(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+
+
+# id -> (what the user did, the code doing it). The row with `[id]` holds the exact text.
+CASES: dict[str, Callable[[Ctx], object]] = {
+    # constructing, FSDP1 front
+    "group_tuple_of_three": lambda c: FSDP(
+        c.mlp(),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        process_group=(dist.group.WORLD,) * 3,
+    ),
+    "group_and_mesh": lambda c: FSDP(
+        c.mlp(),
+        process_group=dist.group.WORLD,
+        device_mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+    ),
+    "device_id_as_string": lambda c: FSDP(c.mlp(), device_id="cpu"),
+    "ignored_both_ways": lambda c: FSDP(
+        (m := c.mlp()), ignored_modules=[m.fc1], ignored_states=[m.fc2.weight]
+    ),
+    "ignored_module_not_submodule": lambda c: FSDP(c.mlp(), ignored_modules=[nn.Linear(2, 2)]),
+    "ignored_wrapped_module": _ignore_a_wrapped_child,
+    "foreign_config_field": lambda c: FSDP(c.mlp(), mixed_precision=_Foreign()),
+    "module_wrap_policy_not_a_set": lambda c: ModuleWrapPolicy(nn.Linear),
+    "module_wrap_policy_not_classes": lambda c: ModuleWrapPolicy({nn.Linear(2, 2)}),
+    "custom_policy_returns_int": lambda c: FSDP(
+        c.mlp(), auto_wrap_policy=CustomPolicy(lambda m: 3)
+    ),
+    "nested_enable_wrap": _nested_enable_wrap,
+    "policy_ignores_params": lambda c: FSDP(
+        (m := c.mlp()),
+        auto_wrap_policy=CustomPolicy(
+            lambda mod: {"ignored_states": [m.fc2.bias]} if mod is m.fc2 else False
+        ),
+    ),
+    "policy_mixes_hybrid": lambda c: FSDP(
+        c.mlp(),
+        auto_wrap_policy=CustomPolicy(
+            lambda mod: (
+                {"sharding_strategy": ShardingStrategy.HYBRID_SHARD}
+                if isinstance(mod, nn.Linear)
+                else False
+            )
+        ),
+    ),
+    "hybrid_world_not_a_multiple": _hybrid_shard_over_nodes_of_3,
+    "auto_wrap_over_wrapped_child": _auto_wrap_over_a_wrapped_child,
+    # disk offload
+    "offload_dir_without_offload_params": lambda c: FSDP(
+        c.mlp(), cpu_offload=CPUOffload(offload_params=False, offload_dir=c.tmp)
+    ),
+    "offload_dir_not_a_path": lambda c: FSDP(
+        c.mlp(), cpu_offload=CPUOffload(offload_params=True, offload_dir=3)
+    ),
+    "offload_dir_missing": lambda c: FSDP(
+        c.mlp(), cpu_offload=CPUOffload(offload_params=True, offload_dir=c.tmp / "missing")
+    ),
+    "offload_dir_not_writable": _not_writable,
+    "offload_dir_with_no_shard": lambda c: FSDP(
+        c.mlp(),
+        sharding_strategy=ShardingStrategy.NO_SHARD,
+        cpu_offload=CPUOffload(offload_params=True, offload_dir=c.tmp),
+    ),
+    "disk_step_without_offload_dir": lambda c: disk_offload.step(
+        (m := c.units()), torch.optim.SGD(m.parameters(), lr=0.1)
+    ),
+    # constructing, FSDP2 front
+    "fully_shard_empty_list": lambda c: fully_shard([]),
+    "fully_shard_not_a_module": lambda c: fully_shard("blocks"),
+    "fully_shard_twice": _fully_shard_twice,
+    "reshard_after_forward_int": lambda c: fully_shard(nn.Linear(4, 4), reshard_after_forward=2),
+    "shard_placement_dim_1": lambda c: fully_shard(
+        nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)
+    ),
+    "mesh_3d": lambda c: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 2, 1))),
+    "prefetch_a_plain_module": _prefetch_a_plain_module,
+    "torch_reads_a_state_attribute": _torch_reads_a_state_attribute,
+    "tp_placement_partial": _tp_placement_partial,
+    "tp_with_hsdp": _tp_with_hsdp,
+    # between steps
+    "no_sync_on_a_nested_unit": lambda c: _after_a_forward(c).module.fc1.no_sync().__enter__(),
+    "clip_on_a_nested_unit": lambda c: _after_a_forward(c).module.fc1.clip_grad_norm_(1.0),
+    "summon_rank0_only_writeback": lambda c: FSDP.summon_full_params(
+        c.units(), rank0_only=True, writeback=True
+    ).__enter__(),
+    "load_state_dict_assign": lambda c: (m := c.units()).load_state_dict(
+        m.state_dict(), assign=True
+    ),
+    "load_another_models_state_dict": lambda c: c.units().load_state_dict(
+        FSDP(nn.Sequential(nn.Linear(7, 3))).state_dict()
+    ),
+    "torch_sharded_state_dict_elsewhere": _torch_sharded_state_dict_at_another_world_size,
+    "state_dict_type_none": lambda c: FSDP.set_state_dict_type(c.units(), None),
+    "state_dict_types_differ": lambda c: (
+        FSDP.set_state_dict_type((m := c.units()).module.fc1, StateDictType.SHARDED_STATE_DICT),
+        FSDP.set_state_dict_type(m, StateDictType.FULL_STATE_DICT),
+    ),
+    "get_state_dict_type_differs": lambda c: (
+        FSDP.set_state_dict_type((m := c.units()).module.fc1, StateDictType.SHARDED_STATE_DICT),
+        FSDP.get_state_dict_type(m),
+    ),
+    "forward_of_a_submodule": lambda c: FSDP(c.mlp()).module.fc2(torch.randn(2, 13)),
+    "apply_in_forward": lambda c: _forward_hook((m := c.units()), lambda: m.double()),
+    "state_dict_in_forward": lambda c: _forward_hook((m := c.units()), lambda: m.state_dict()),
+    # optimizer state
+    "optimizer_of_the_original_params": _optimizer_of_the_original_params,
+    "optim_input_groups_without_params": lambda c: FSDP.full_optim_state_dict(
+        (m := c.units()), torch.optim.SGD(m.parameters(), lr=0.1), optim_input=[{"lr": 0.1}]
+    ),
+    "optim_input_not_params": lambda c: FSDP.full_optim_state_dict(
+        (m := c.units()), torch.optim.SGD(m.parameters(), lr=0.1), optim_input=[1, 2]
+    ),
+    "optim_input_in_another_order": lambda c: FSDP.full_optim_state_dict(
+        (m := c.units()),
+        torch.optim.SGD(m.parameters(), lr=0.1),
+        optim_input=list(m.parameters())[::-1],
+    ),
+    "another_models_optimizer_state": _load_another_models_optimizer_state,
+    "optimizer_state_of_another_shape": _optimizer_state_of_another_shape,
+    "rekey_as_string": lambda c: FSDP.rekey_optim_state_dict(
+        {"state": {}, "param_groups": []}, "PARAM_NAME", c.units()
+    ),
+    "rekey_none": lambda c: FSDP.rekey_optim_state_dict(
+        {"state": {}, "param_groups": []}, None, c.units()
+    ),
+    "rekey_mixed_keys": lambda c: FSDP.rekey_optim_state_dict(
+        {"state": {0: {}, "fc1.weight": {}}, "param_groups": []},
+        OptimStateKeyType.PARAM_ID,
+        c.units(),
+    ),
+    # checkpoints
+    "load_missing_checkpoint": lambda c: checkpoint.load(
+        (m := c.units()), torch.optim.SGD(m.parameters(), lr=0.1), c.tmp / "nowhere"
+    ),
+    "save_under_a_file": _save_under_a_file,
+    "unreadable_metadata": _unreadable_metadata,
+    # the planner
+    "estimate_world_size_0": lambda c: estimate(1e6, world_size=0),
+    "estimate_shard_size_not_dividing": lambda c: estimate(1e6, world_size=4, shard_size=3),
+    "estimate_unknown_strategy": lambda c: estimate(1e6, world_size=4)["ZeRO-9"],
+}
+
+# Raise sites whose message is not a row, and why: matched by file and a literal part of the
+# message ("" matches a message with no literal part).
+NOT_IN_THE_TABLE = {
+    ("construct.py", "must be"): "the shared type check; its texts are the rows naming arguments",
+    ("module.py", ""): "torch's load_state_dict error, wrapper names removed: a row shows one",
+    ("optim_state.py", ""): "the type check's TypeError as a ValueError: row [rekey_as_string]",
+    ("estimate.py", ""): "KeyError(name), as a dict's: row [estimate_unknown_strategy]",
+    ("order.py", ""): "the message is built by order.py's _describe: the order rows show it",
+    ("demo.py", "state_dict keys differ"): "the demo's own check of its result, not user input",
+    ("demo.py", "has shape"): "the demo's own check of its result, not user input",
+    ("wrap.py", "is already wrapped by"): "unreachable: the check before it raises first",
+    ("disk_offload.py", "cannot create"): "the OS refused a directory (full disk): its error",
+    ("checkpoint.py", "loading checkpoint"): "DCP failed after fsdp_lite's checks passed",
+    ("param.py", "that needs a sharding mesh"): "both fronts pass a mesh, or refuse DTensors first",
+    ("param.py", "only sharding strategies"): "the FSDP1 front refuses DTensors first",
+}
+
+
+def _raise_sites() -> list[tuple[str, int, list[str]]]:
+    sites = []
+    for path in sorted((ROOT / "fsdp_lite").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                parts = [
+                    n.value.strip()
+                    for arg in node.exc.args
+                    for n in ast.walk(arg)
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                ]
+                sites.append((path.name, node.lineno, parts))
+    return sites
+
+
+def test_every_raise_site_is_in_the_table_or_says_why_not():
+    doc = " ".join(DOC.read_text().split())
+    missing = []
+    for name, line, parts in _raise_sites():
+        longest = max(parts, key=len, default="")
+        if len(longest) >= 8 and " ".join(longest.split()) in doc:
+            continue
+        if any(
+            f == name and (any(key in p for p in parts) if key else not parts)
+            for f, key in NOT_IN_THE_TABLE
+        ):
+            continue
+        missing.append(f"fsdp_lite/{name}:{line}: {longest!r}")
+    assert not missing, "raise sites missing from docs/errors.md:\n" + "\n".join(missing)
+
+
+def _rows() -> list[tuple[str, str]]:
+    """(error cell, test cell) of every table row of docs/errors.md."""
+    rows = []
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 3 and not set(cells[0]) <= set("-"):
+            rows.append((cells[1], cells[2]))
+    return rows[1:] if rows and rows[0] == ("error", "test") else rows
+
+
+def test_every_row_names_a_test_that_exists():
+    current = None
+    for error, test in _rows():
+        if (error, test) == ("error", "test"):
+            continue
+        refs = re.findall(r"`([^`]+)`", test)
+        assert refs, f"row without a test: {error[:80]} | {test}"
+        for ref in refs:
+            if ref.startswith("tests/"):
+                current = ref
+                path, _, func = ref.partition("::")
+                func = func.split("[")[0]
+                assert (ROOT / path).exists(), ref
+                assert not func or f"def {func}(" in (ROOT / path).read_text(), ref
+            elif ref.startswith("["):
+                assert current, f"{ref} before any test file"
+                param = ref.strip("[]")
+                source = (ROOT / current.partition("::")[0]).read_text()
+                assert f'"{param}"' in source, f"{ref}: no case {param!r} in {current}"
+            else:
+                func = ref.split("[")[0]
+                assert (
+                    current and f"def {func}(" in (ROOT / current.partition("::")[0]).read_text()
+                ), ref
+
+
+def _normalize(text: str, tmp: Path) -> str:
+    text = text.replace(str(tmp), "TMP")
+    text = re.sub(r"0x[0-9a-f]+", "0x...", text)
+    return " ".join(text.split())
+
+
+def _cases_rank(rank: int, world_size: int, tmp: str) -> dict[str, str]:
+    seen = {}
+    for case, make in CASES.items():
+        directory = Path(tmp) / case
+        if rank == 0:
+            directory.mkdir()
+        dist.barrier()
+        try:
+            make(Ctx(rank, directory))
+        except Exception as e:  # noqa: BLE001 - the test compares type and text
+            seen[case] = _normalize(f"{type(e).__name__}: {e}", directory)
+        else:
+            seen[case] = "no error"
+    return seen
+
+
+@pytest.fixture(scope="module")
+def produced(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("errors")
+    return run_ranks(_cases_rank, 2, tmp, args=(str(tmp),), timeout=180)
+
+
+def _documented(case: str) -> list[str]:
+    texts = [
+        " ".join(t.split())
+        for error, test in _rows()
+        if f"[{case}]" in test
+        for t in re.findall(r"`([^`]+)`", error)
+    ]
+    assert texts, f"no row of docs/errors.md names [{case}]"
+    return texts
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_table_holds_the_exact_error(produced, case):
+    first = produced[0][case]
+    for rank, seen in enumerate(produced):  # the same error; its numbers may be the rank's own
+        same = seen[case].partition(":")[0] == first.partition(":")[0]
+        assert same, f"rank {rank} said {seen[case]!r}, rank 0 {first!r}"
+    assert first in _documented(case), f"[{case}] produced {first!r}; docs/errors.md says otherwise"
+
+
+def test_uninitialized_torch_distributed_is_named_before_anything_else():
+    assert not dist.is_initialized()
+    for make, case in (
+        (lambda: FSDP(nn.Linear(2, 2)), "fsdp1_without_init"),
+        (lambda: fully_shard(nn.Linear(2, 2)), "fully_shard_without_init"),
+    ):
+        with pytest.raises(RuntimeError) as error:
+            make()
+        text = _normalize(f"RuntimeError: {error.value}", Path(os.devnull))
+        assert text in _documented(case), text
+
+
+def _two_devices_rank(rank: int, world_size: int) -> str:
+    model = build_model("mlp")
+    model.fc1.to("cuda")
+    try:
+        FSDP(model)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
+
+
+@pytest.mark.gpu
+def test_parameters_on_two_devices_need_device_id(tmp_path):
+    text = run_ranks(_two_devices_rank, 1, tmp_path, timeout=60)[0]
+    assert text in _documented("params_on_two_devices"), text
