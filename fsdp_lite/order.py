@@ -28,6 +28,7 @@ whichever root's runtime issues them (two pipeline stages on one rank share thei
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import queue
@@ -245,9 +246,18 @@ class _Waiter:
         if failure:
             raise failure[0]
 
+    def stop(self) -> None:
+        """End the thread (at interpreter exit: no thread of ours is left in finalization)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=1.0)
+
     def _run(self) -> None:
         while True:
-            works, done, failure = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            works, done, failure = job
             try:
                 _wait_each(works)
             except BaseException as e:  # handed to the waiting thread, which raises it
@@ -265,3 +275,4 @@ def _wait_each(works: Sequence[dist.Work]) -> None:
 
 
 _WAITER = _Waiter()
+atexit.register(_WAITER.stop)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,14 +21,29 @@ TINY += ["--batch", "2", "--steps", "2", "--rounds", "1", "--warmup", "1", "--pr
 SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD", "fsdp_lite/FULL_SHARD/collectives"]
 
 
+# A rank has died, rarely, after its last collective and destroy_process_group, in the C++
+# teardown at interpreter exit: "terminate called without an active exception", with no Python
+# frame (1 of 12 runs of this bench here; torch's own FSDP2 script did the same once, without
+# fsdp_lite imported). Open, not understood: such a run is repeated once, with a warning.
+_EXIT_ABORT = "terminate called without an active exception"
+
+
 def run_bench(out: Path, *flags: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), *TINY, *flags, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "bench.py"), *TINY, *flags, "--json", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1"),
+        )
+
+    proc = run()
+    if proc.returncode != 0 and _EXIT_ABORT in proc.stderr:
+        warnings.warn(
+            f"bench.py aborted at exit; rerunning it:\n{proc.stderr[-2000:]}", stacklevel=2
+        )
+        proc = run()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "targets (fp32, fsdp_lite/FULL_SHARD)" in proc.stdout  # the printed table's end
     return json.loads(out.read_text())
