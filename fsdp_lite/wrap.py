@@ -285,7 +285,8 @@ def auto_wrap(
                 if module not in ignored_modules and isinstance(module, fp32_classes):
                     kwargs = target_module_to_kwargs.get(module, root_kwargs)
                     target_module_to_kwargs[module] = {**kwargs, "mixed_precision": None}
-        _wrap_post_order(root_module, target_module_to_kwargs, wrapper_cls)
+        wrapped = _wrap_post_order(root_module, target_module_to_kwargs, wrapper_cls)
+        _point_aliases_at_wrappers(root_module, wrapped)
         return
 
     def wrap_fn(module: nn.Module) -> nn.Module:
@@ -295,9 +296,24 @@ def auto_wrap(
 
     if mixed_precision is not None:  # even with no classes to ignore, as in torch
         policy = functools.partial(_or_wrap_classes, policy=policy, module_classes=fp32_classes)
+    wrapped: dict[nn.Module, nn.Module] = {}
     _recursive_wrap(
-        root_module, policy, wrap_fn, wrapper_cls, ignored_modules, ignored_params, True
+        root_module, policy, wrap_fn, wrapper_cls, ignored_modules, ignored_params, wrapped, True
     )
+    _point_aliases_at_wrappers(root_module, wrapped)
+
+
+def _point_aliases_at_wrappers(root_module: nn.Module, wrapped: dict[nn.Module, nn.Module]) -> None:
+    """A module registered under several names (``self.alias = self.block``, or two parents)
+    is wrapped once; every other name is pointed at that wrapper too, so each path runs the
+    unit's hooks. (``named_children`` lists a module once, so only ``_modules`` shows them.)
+    torch FSDP1 leaves the other names on the bare module, whose sharded parameters then fail
+    in forward ("mat2 must be a matrix")."""
+    for module in list(root_module.modules()):
+        for name, child in list(module._modules.items()):
+            wrapper = wrapped.get(child) if child is not None else None
+            if wrapper is not None and wrapper is not module:
+                setattr(module, name, wrapper)
 
 
 def _or_wrap_classes(
@@ -321,10 +337,14 @@ def _recursive_wrap(
     wrapper_cls: Callable,
     ignored_modules: set[nn.Module],
     ignored_params: set[nn.Parameter],
+    wrapped: dict[nn.Module, nn.Module],
     only_wrap_children: bool = False,
 ) -> tuple[nn.Module, int]:
-    """Wraps the subtree for a callable policy; returns (module or its wrapper, numel wrapped)."""
-    # only a module shared by two parents trips this: its children were wrapped on the first visit
+    """Wraps the subtree for a callable policy; returns (module or its wrapper, numel wrapped).
+    ``wrapped`` maps each module wrapped so far to its wrapper: a module under two parents is
+    wrapped on the first visit and handed back on the second."""
+    if module in wrapped:
+        return wrapped[module], 0
     for child in module.modules():
         if child not in ignored_modules and _is_wrapped(child, wrapper_cls):
             raise AssertionError(f"Child module {child} is already wrapped by {wrapper_cls}")
@@ -337,14 +357,15 @@ def _recursive_wrap(
         if child in ignored_modules:
             continue
         wrapped_child, num_wrapped_params = _recursive_wrap(
-            child, policy, wrap_fn, wrapper_cls, ignored_modules, ignored_params
+            child, policy, wrap_fn, wrapper_cls, ignored_modules, ignored_params, wrapped
         )
         setattr(module, name, wrapped_child)
         total_wrapped_numel += num_wrapped_params
     # a param tied across two wrapped children is counted twice: this can be negative, as in torch
     remainder = nonwrapped_numel - total_wrapped_numel
     if not only_wrap_children and policy(module=module, recurse=False, nonwrapped_numel=remainder):
-        return wrap_fn(module), nonwrapped_numel
+        wrapped[module] = wrap_fn(module)
+        return wrapped[module], nonwrapped_numel
     return module, total_wrapped_numel
 
 
@@ -352,10 +373,12 @@ def _wrap_post_order(
     root_module: nn.Module,
     target_module_to_kwargs: dict[nn.Module, dict[str, Any]],
     wrapper_cls: Callable,
-) -> None:
-    """Wraps the modules a `Policy` picked, children before parents, each with its own kwargs."""
+) -> dict[nn.Module, nn.Module]:
+    """Wraps the modules a `Policy` picked, children before parents, each with its own kwargs;
+    returns each wrapped module's wrapper."""
     # a module shared by two parents is visited, and so wrapped, once: under its first parent
     visited: set[nn.Module] = {root_module}
+    wrapped: dict[nn.Module, nn.Module] = {}
 
     def visit(module: nn.Module, name: str, parent: nn.Module | None) -> None:
         for child_name, child in module.named_children():
@@ -363,6 +386,8 @@ def _wrap_post_order(
                 visited.add(child)
                 visit(child, child_name, module)
         if module in target_module_to_kwargs and module is not root_module:
-            setattr(parent, name, wrapper_cls(module, **target_module_to_kwargs[module]))
+            wrapped[module] = wrapper_cls(module, **target_module_to_kwargs[module])
+            setattr(parent, name, wrapped[module])
 
     visit(root_module, "", None)
+    return wrapped

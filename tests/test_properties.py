@@ -1,8 +1,8 @@
 """Property test: random small models train like DDP under every strategy, policy and front.
 
 Hypothesis draws a model (an embedding, a Conv1d over the sequence, Linears of odd widths down
-to 1, LayerNorms, frozen layers, a layer applied twice, a head tied to the embedding, an unused zero-size parameter,
-buffers of several dtypes), a strategy, a wrap policy and a front (the FSDP1 wrapper or
+to 1, LayerNorms, frozen layers, a layer applied twice, a layer registered under two names, a
+head tied to the embedding, an unused zero-size parameter, buffers of several dtypes), a strategy, a wrap policy and a front (the FSDP1 wrapper or
 ``fully_shard``). Every rank builds it from the same seed, trains two steps of SGD with momentum
 beside DDP, and the losses and every full parameter must be DDP's: bitwise at 2 ranks, within
 gloo's reduction-order bound at 3. The examples are fixed (``derandomize``) and few, so CI stays
@@ -14,6 +14,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ class Spec:
     frozen: tuple[bool, ...]  # per hidden Linear
     twice: bool  # the first hidden Linear, square, applied twice
     conv: bool  # a Conv1d over the sequence after the embedding, with a residual
+    shared: bool  # the last hidden Linear also registered as ``alias`` (one module, two names)
     tie_head: bool
     zero_size: bool
     buffer_dtype: str
@@ -63,6 +65,7 @@ def specs(draw) -> Spec:
         frozen=tuple(draw(st.lists(st.booleans(), min_size=depth, max_size=depth))),
         twice=draw(st.booleans()),
         conv=draw(st.booleans()),
+        shared=draw(st.booleans()),
         tie_head=draw(st.booleans()),
         zero_size=draw(st.booleans()),
         buffer_dtype=draw(st.sampled_from(["float32", "float64", "int64"])),
@@ -97,12 +100,16 @@ class Drawn(nn.Module):
         dtype = getattr(torch, spec.buffer_dtype)
         self.register_buffer("offset", torch.arange(3).to(dtype))
         self.twice = spec.twice
+        self.alias = self.layers[-1] if spec.shared else None  # forward calls it by this name
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.offset.float().sum() * 1e-3
         if self.conv is not None:
             x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)  # (batch, seq, channels)
+        last = len(self.layers) - 1
         for i, (layer, norm) in enumerate(zip(self.layers, self.norms)):
+            if i == last and self.alias is not None:
+                layer = self.alias  # the same module (and unit), reached by its other name
             x = torch.tanh(norm(layer(x)))
             if i == 0 and self.twice:
                 x = torch.tanh(layer(x))  # the same module (and unit) used twice
@@ -192,3 +199,18 @@ def test_random_models_train_like_ddp_at_2_ranks(spec):
 @given(specs())
 def test_random_models_train_like_ddp_at_3_ranks(spec):
     _check(spec, 3)
+
+
+@pytest.mark.parametrize(
+    "front, policy",
+    [("fsdp1", "linears"), ("fsdp1", "size"), ("fsdp2", "linears")],
+)
+def test_a_module_under_two_names_trains_like_ddp(front, policy):
+    # One module registered twice (``alias``): torch FSDP1 fails on it ("mat2 must be a matrix");
+    # both wrap paths (a Policy, a callable) must point every name at the one unit.
+    spec = Spec(
+        vocab=7, widths=(5, 4), bias=(True, True), layer_norm=(False, True), frozen=(False, False),
+        twice=False, conv=False, shared=True, tie_head=False, zero_size=False,
+        buffer_dtype="float32", strategy="FULL_SHARD", policy=policy, front=front, seed=3,
+    )  # fmt: skip
+    _check(spec, 2)
