@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_lite import offload
 from fsdp_lite.api import STRATEGY_RULES, BackwardPrefetch, ShardingStrategy, as_ours
@@ -119,6 +120,9 @@ def fully_shard(
             rank, on the default process group's device type.
         reshard_after_forward: True frees the unsharded params after forward (ZeRO-3), False
             keeps them until after backward (ZeRO-2). None (default): True, but the root keeps its.
+            An int k dividing the shard group's size: keep 1/k of them after forward, and gather
+            backward's within groups of k consecutive ranks (ZeRO++'s hpZ; unit.py, Note
+            [Post-forward shards]).
         shard_placement_fn: None, or returns ``Shard(0)`` / None for each parameter.
         mp_policy: a ``MixedPrecisionPolicy``.
         offload_policy: ``OffloadPolicy()`` (default) or ``CPUOffloadPolicy()``.
@@ -129,8 +133,10 @@ def fully_shard(
         a list, every member's is.
 
     Raises:
-        NotImplementedError: what is not built (an int ``reshard_after_forward``, a placement
-            other than ``Shard(0)``), before any collective.
+        ValueError: an int ``reshard_after_forward`` that does not divide the shard group.
+        NotImplementedError: what is not built (a placement other than ``Shard(0)``; an int
+            ``reshard_after_forward`` with CPU offload or DTensor parameters), before any
+            collective.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
@@ -140,10 +146,6 @@ def fully_shard(
             raise TypeError(f"fully_shard expects nn.Modules, got {type(m).__name__}")
         if owns_unit(m):
             raise ValueError(f"{type(m).__name__} is already sharded (fully_shard called twice)")
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            "reshard_after_forward as an int (resharding to a smaller group) is not built yet"
-        )
     # A list is one unit over all its modules' params (e.g. a tied embedding and output head);
     # the ModuleList is only the tree the unit is built from, no module's new parent.
     tree = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
@@ -153,6 +155,12 @@ def fully_shard(
     offload_policy = as_ours(
         offload_policy, CPUOffloadPolicy if cpu else OffloadPolicy, "offload_policy"
     )
+    smaller_group = None
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        mesh = _config(tree, mesh, True, mp_policy, offload_policy, ignored_params).mesh
+        reshard_after_forward, smaller_group = _post_forward_size(
+            reshard_after_forward, mesh, offload_policy
+        )
     config = _config(tree, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
     if shard_placement_fn is not None:
         for name, param in tree.named_parameters():
@@ -163,9 +171,15 @@ def fully_shard(
                 )
     _move_to_device(tree, config)
     check_tensor_parallel_params(tree, config, "fully_shard")
+    if smaller_group is not None and any(isinstance(p, DTensor) for p in tree.parameters()):
+        raise NotImplementedError(  # torch's FSDP2 refuses it too
+            "reshard_after_forward as an int with tensor-parallel (DTensor) parameters"
+        )
     # A collective, after every argument was checked: different models fail here on every rank.
     _check_same_model_across_ranks(tree, config)
     unit = _build_unit(tree, config)
+    if smaller_group is not None:
+        unit.reshard_to_smaller_group(_post_forward_group(config.mesh, smaller_group))
     # torch: None frees after forward except at the root; True frees at the root too.
     unit.root_keeps_params = reshard_after_forward is None
     register_grad_hooks(unit, unit.params)
@@ -184,6 +198,37 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
         register_state(m, _PipelineView(unit))
     return module
+
+
+def _post_forward_size(
+    size: int, mesh: DeviceMesh, offload_policy: OffloadPolicy
+) -> tuple[bool, int | None]:
+    """An int ``reshard_after_forward`` as (reshard, the size of the group to reshard to), or
+    None for the whole shard group; torch's rules and words."""
+    shard_size = mesh.size(mesh.ndim - 1)
+    if size < 1 or size > shard_size or shard_size % size:
+        raise ValueError(
+            "If passing reshard_after_forward as an int, it should be a factor of "
+            f"{shard_size}, not {size}"
+        )
+    if size == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+            "instead of reshard_after_forward=True (bool)",
+            stacklevel=3,
+        )
+        return False, None
+    if size == shard_size:
+        return True, None
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("reshard_after_forward as an int with CPUOffloadPolicy")
+    return True, size
+
+
+def _post_forward_group(mesh: DeviceMesh, size: int) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks of ``mesh`` (torch's post-forward mesh:
+    the mesh's ranks viewed as rows of ``size``); every rank builds every group, as torch."""
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size)).get_group(1)
 
 
 @dataclass

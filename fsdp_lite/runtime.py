@@ -252,7 +252,7 @@ class StepRuntime:
         # The root's params are needed first thing in backward, so it keeps them (as torch does).
         keeps = unit.is_root and unit.root_keeps_params
         if not grad_enabled or (unit.rules.reshard_after_forward and not keeps):
-            unit.reshard()
+            unit.reshard(after_forward=grad_enabled)
         unit.training_state = TrainingState.IDLE
         if grad_enabled:
             self.register_pre_backward(unit, output)

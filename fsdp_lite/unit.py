@@ -199,6 +199,13 @@ class ShardedUnit:
         self._order_logs = {  # group -> its order.OrderLog
             g: order.log_for(g) for g in (group, replicate_group) if g is not None
         }
+        # FSDP2's int reshard_after_forward (ZeRO++'s hpZ): see Note [Post-forward shards].
+        self.post_forward_group: dist.ProcessGroup | None = None
+        self._post_forward_transport: collectives.Transport | None = None
+        self._post_forward_rows: torch.Tensor | None = (
+            None  # this rank's block, forward to backward
+        )
+        self._gathering_post_forward = False  # the unshard in flight gathers those blocks
         self._pending_reduce: PendingReduce | None = None  # a reduction in flight
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
         # Frozen params whose unsharded copy backward may read after the last gradient is in
@@ -266,26 +273,37 @@ class ShardedUnit:
         # needs right away stays on the compute stream (Note [Side-stream protocol]).
         side = self.streams.all_gather if self.streams is not None and async_op else None
         with self._queued_on(side), self._label("all_gather"):
-            all_gather_input, all_gather_output = collectives.all_gather_buffers(
-                self.unit_shard_numel,
-                self.group,
-                dtype=self.params[0].unsharded_flat.dtype,  # param_dtype: cast once, on 1/N
-                device=self.compute_device,
-            )  # 1D: unit_shard_numel, this rank's slot of N * unit_shard_numel
-            shards = [offload.to_device(p.sharded_flat, self.compute_device) for p in self.params]
-            collectives.all_gather_copy_in(shards, all_gather_input)
-            if not self.rules.reshard_after_backward:
-                self._gathered_versions = self._versions()
-            offload.after_copy_in(self.params, phase)
-            self._gather_stalled = self._record("all_gather", phase, all_gather_input)
-            with self._failing_names("all_gather", phase, self.group):
+            self._gathering_post_forward = self._post_forward_rows is not None
+            if self._gathering_post_forward:  # Note [Post-forward shards]
+                group, transport, tag = self.post_forward_group, self._post_forward_transport, "pf"
+                all_gather_input = self._post_forward_rows
+                all_gather_output = all_gather_input.new_empty(
+                    self.world_size * self.unit_shard_numel
+                )
+            else:
+                group, transport, tag = self.group, self.transport, "all_gather"
+                all_gather_input, all_gather_output = collectives.all_gather_buffers(
+                    self.unit_shard_numel,
+                    self.group,
+                    dtype=self.params[0].unsharded_flat.dtype,  # param_dtype: cast once, on 1/N
+                    device=self.compute_device,
+                )  # 1D: unit_shard_numel, this rank's slot of N * unit_shard_numel
+                shards = [
+                    offload.to_device(p.sharded_flat, self.compute_device) for p in self.params
+                ]
+                collectives.all_gather_copy_in(shards, all_gather_input)
+                if not self.rules.reshard_after_backward:
+                    self._gathered_versions = self._versions()
+                offload.after_copy_in(self.params, phase)
+            self._gather_stalled = self._record("all_gather", phase, all_gather_input, group)
+            with self._failing_names("all_gather", phase, group):
                 self._all_gather = collectives.all_gather(
                     all_gather_input,
-                    self.group,
+                    group,
                     async_op=async_op,
                     all_gather_output=all_gather_output,
-                    transport=self.transport,
-                    tag=collectives.p2p_tag("all_gather", self.name),
+                    transport=transport,
+                    tag=collectives.p2p_tag(tag, self.name),
                     on_stall=self._gather_stalled,
                 )
             if async_op and self._gather_stalled is not None:
@@ -332,9 +350,12 @@ class ShardedUnit:
         self._to_unsharded()
 
     def _wait_and_copy_out(self, result: AllGatherResult) -> None:
-        with self._failing_names("all_gather", self._gather_phase, self.group):
+        group = self.post_forward_group if self._gathering_post_forward else self.group
+        with self._failing_names("all_gather", self._gather_phase, group):
             result.wait(self._gather_stalled)
         self._record_done("all_gather")
+        if self._gathering_post_forward:
+            self._post_forward_rows, self._gathering_post_forward = None, False
         with contextlib.ExitStack() as stack, torch.no_grad():
             # The copy writes into tensors autograd saved in forward; their contents are the same
             # values again, so keep the version counters that would otherwise fail the backward.
@@ -363,12 +384,42 @@ class ShardedUnit:
                 p.unsharded_param.copy_(p.sharded_param)
         self._to_unsharded()
 
-    def reshard(self) -> None:
-        """Point the modules at the shards and free the unsharded params (ZeRO-1 keeps them)."""
+    def reshard(self, after_forward: bool = False) -> None:
+        """Point the modules at the shards and free the unsharded params (ZeRO-1 keeps them).
+        ``after_forward``: backward follows; with a post-forward group this rank keeps its
+        block of the gathered rows first (Note [Post-forward shards])."""
         if self._all_gather is not None:  # a prefetch nobody used: finish it so buffers can go
             self.wait_for_unshard()
         if self.state == ShardedState.UNSHARDED and self.uses_unsharded_copy:
+            if after_forward and self.post_forward_group is not None:
+                self._keep_post_forward_rows()
             self._to_sharded()
+
+    def reshard_to_smaller_group(self, group: dist.ProcessGroup) -> None:
+        """After forward, keep 1/len(group) of the gathered params instead of 1/N, and gather
+        backward's within ``group`` (FSDP2's int ``reshard_after_forward``, ZeRO++'s hpZ).
+
+        Note [Post-forward shards]: the shard group's N ranks are cut into groups of k
+        consecutive ranks (``DeviceMesh(mesh.view(-1, k))``, as torch builds it); the rank at
+        position j of its group keeps rows [j N/k, (j+1) N/k) of the forward's all-gather
+        output, each row one rank's shards of every param. Gathering those blocks over the k
+        ranks gives back all N rows in order, the layout the usual copy-out reads. The cost:
+        N/k rows per unit from forward to backward; the gain: backward's all-gather spans k
+        ranks (one node), not N. The reduce-scatter stays over all N.
+        """
+        self.post_forward_group = group
+        self._post_forward_transport = collectives.Transport.choose(group, self.compute_device)
+        self._order_logs[group] = order.log_for(group)
+
+    def _keep_post_forward_rows(self) -> None:
+        k, j = dist.get_world_size(self.post_forward_group), dist.get_rank(self.post_forward_group)
+        per = self.world_size // k
+        with torch.no_grad():
+            blocks = [
+                p.unsharded_flat.view(self.world_size, -1)[j * per : (j + 1) * per]
+                for p in self.params
+            ]  # each (N/k, shard_numel): those ranks' shards of one param
+            self._post_forward_rows = torch.cat(blocks, dim=1).reshape(-1)
 
     def keep_current_copy(self) -> None:
         """reshard_after_backward just became False: unsharded params gathered before count as
@@ -569,6 +620,7 @@ class ShardedUnit:
         return full
 
     def reset_backward(self) -> None:
+        self._post_forward_rows = None  # a unit backward did not reach: its block goes now
         self.num_grads_ready = 0
         self.ran_pre_backward = False
         self.ran_post_backward = False
