@@ -43,29 +43,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _wait(
-    works: list[dist.Work],
-    on_stall: Callable[[], None] | None,
-    out: torch.Tensor,
-    watching: order.Watch | None = None,
-) -> None:
+def _wait(works: list[dist.Work], on_stall: Callable[[], None] | None, out: torch.Tensor) -> None:
     # CPU tensors only: an accelerator's wait() queues on a stream, and waiting in a thread would
     # make the host wait for the device (Note [Collective order] in order.py).
-    if watching is not None:
-        watching.wait(on_stall or _no_stall)
-    elif on_stall is not None and out.device.type == "cpu":
+    if on_stall is not None and out.device.type == "cpu":
         order.wait(works, on_stall)
-    else:
-        for work in works:
-            work.wait()
-
-
-def _no_stall() -> None:
-    pass
-
-
-def _watch(works: list[dist.Work], out: torch.Tensor) -> order.Watch | None:
-    return order.watch(works) if works and out.device.type == "cpu" else None
+        return
+    for work in works:
+        work.wait()
 
 
 @dataclass
@@ -75,16 +60,11 @@ class AllGatherResult:
     all_gather_output: torch.Tensor  # 1D, world_size * unit_shard_numel
     # The collective's work, or one per send and receive (all_gather_by_sends); empty once done.
     works: list[dist.Work] = field(default_factory=list)
-    watching: order.Watch | None = None  # set by watch()
-
-    def watch(self) -> None:
-        """Have order.py's helper thread wait for it from now on (CPU; the order check)."""
-        self.watching = _watch(self.works, self.all_gather_output)
 
     def wait(self, on_stall: Callable[[], None] | None = None) -> torch.Tensor:
         """``on_stall``: called each second the collective is not done (order.py; CPU only)."""
-        _wait(self.works, on_stall, self.all_gather_output, self.watching)
-        self.works, self.watching = [], None
+        _wait(self.works, on_stall, self.all_gather_output)
+        self.works = []
         return self.all_gather_output
 
 
@@ -99,16 +79,11 @@ class ReduceResult:
     # A reduce-scatter done by sends: the peer's row for this rank, which wait() adds to
     # ``output`` (this rank's own row).
     received: torch.Tensor | None = None
-    watching: order.Watch | None = None  # set by watch()
-
-    def watch(self) -> None:
-        """As ``AllGatherResult.watch``."""
-        self.watching = _watch(self.works, self.output)
 
     def wait(self, on_stall: Callable[[], None] | None = None) -> torch.Tensor:
         """``on_stall`` as for ``AllGatherResult.wait``."""
-        _wait(self.works, on_stall, self.output, self.watching)
-        self.works, self.watching = [], None
+        _wait(self.works, on_stall, self.output)
+        self.works = []
         if self.received is not None:
             # 2 ranks: own + peer's is the rank-order sum r0 + r1, since addition commutes
             # bitwise; summed into the received buffer, which nothing else holds.

@@ -44,10 +44,8 @@ __all__ = [
     "CollectiveError",
     "CollectiveOrderError",
     "OrderLog",
-    "Watch",
     "log_for",
     "wait",
-    "watch",
 ]
 
 STALL_SECONDS = 1.0  # a wait this long compares the ranks' logs, and again each second after
@@ -212,65 +210,41 @@ def log_for(group: dist.ProcessGroup) -> OrderLog:
 
 def wait(works: Sequence[dist.Work], on_stall: Callable[[], None]) -> None:
     """``work.wait()`` each of ``works``, calling ``on_stall()`` each ``STALL_SECONDS`` they are
-    not done (see ``Watch.wait``)."""
-    if all(work.is_completed() for work in works):
-        try:
+    not done. A failed work's error is raised here, after one more ``on_stall()``: a peer that
+    found the ranks diverged publishes its log, raises and exits, and the connection it closes
+    fails this wait; the check then names the divergence here too."""
+    try:
+        if all(work.is_completed() for work in works):
             for work in works:
                 work.wait()
-        except RuntimeError:
-            on_stall()
-            raise
-        return
-    watch(works).wait(on_stall)
-
-
-def watch(works: Sequence[dist.Work]) -> Watch:
-    """Start waiting for ``works`` in the helper thread now; ``Watch.wait`` later costs nothing
-    if they finished meanwhile (a prefetched gather, a reduction overlapped with compute)."""
-    return _WAITER.submit(list(works))
-
-
-class Watch:
-    """Works the helper thread waits on, in the order they were submitted."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.failure: list[BaseException] = []
-
-    def wait(self, on_stall: Callable[[], None]) -> None:
-        """Return once the works are done, calling ``on_stall()`` each ``STALL_SECONDS`` until
-        then. A failed work's error is raised here, after one more ``on_stall()``: a peer that
-        found the ranks diverged publishes its log, raises and exits, and the connection it
-        closes fails this wait; the check then names the divergence here too."""
-        try:
-            while not self.done.wait(STALL_SECONDS):
-                on_stall()
-            if self.failure:
-                raise self.failure[0]
-        except CollectiveOrderError:
-            raise
-        except RuntimeError:
-            on_stall()  # raises CollectiveOrderError (chained to the failure) if they diverged
-            raise
+            return
+        _WAITER.wait(works, on_stall)
+    except CollectiveOrderError:
+        raise
+    except RuntimeError:
+        on_stall()  # raises CollectiveOrderError (chained to the failure) if the ranks diverged
+        raise
 
 
 class _Waiter:
     """A daemon thread that blocks in ``Work.wait()`` for the calling thread, which wakes each
     ``STALL_SECONDS`` meanwhile: gloo's point-to-point works report ``is_completed()`` only
-    after a ``wait()``, so polling cannot tell a slow collective from a stuck one. Jobs are
-    waited on in submission order, the order the ranks issue (and gloo completes) them."""
+    after a ``wait()``, so polling cannot tell a slow collective from a stuck one."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, works: list[dist.Work]) -> Watch:
+    def wait(self, works: Sequence[dist.Work], on_stall: Callable[[], None]) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="fsdp_lite-waiter", daemon=True)
             self._thread.start()
-        job = Watch()
-        self._jobs.put((works, job))
-        return job
+        done, failure = threading.Event(), []
+        self._jobs.put((works, done, failure))
+        while not done.wait(STALL_SECONDS):
+            on_stall()
+        if failure:
+            raise failure[0]
 
     def stop(self) -> None:
         """End the thread (at interpreter exit: no thread of ours is left in finalization)."""
@@ -280,21 +254,19 @@ class _Waiter:
 
     def _run(self) -> None:
         while True:
-            item = self._jobs.get()
-            if item is None:
+            job = self._jobs.get()
+            if job is None:
                 return
-            works, job = item
-            del item
+            works, done, failure = job
             try:
                 _wait_each(works)
             except BaseException as e:  # handed to the waiting thread, which raises it
-                job.failure.append(e)
+                failure.append(e)
             # Dropped before the waiter wakes: a work holds its tensors (a unit's whole buffer),
             # which would otherwise stay alive until the next job.
-            works.clear()
             del works
-            job.done.set()
-            del job
+            done.set()
+            del done, failure
 
 
 def _wait_each(works: Sequence[dist.Work]) -> None:

@@ -306,8 +306,6 @@ class ShardedUnit:
                     tag=collectives.p2p_tag(tag, self.name),
                     on_stall=self._gather_stalled,
                 )
-            if async_op and self._gather_stalled is not None:
-                self._all_gather.watch()  # a prefetch: waited on from now (order.py)
         self._gathering_on_side_stream = side is not None
         self._gather_phase = phase
 
@@ -519,8 +517,6 @@ class ShardedUnit:
             stalled = self._record(kind, "backward", flat_grads)
             with self._failing_names(kind, "backward", self.group):
                 result = collectives.all_reduce(flat_grads, self.group, async_op=True)
-        if stalled is not None:
-            result.watch()  # the order check waits from now: landing it later costs nothing
         return PendingReduce(result, post, kind, all(g is not None for g in grads), stalled)
 
     def finish_reduce(self) -> None:
