@@ -36,8 +36,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         nargs="+",
         action="extend",
         metavar="NAME",
-        help="implementations: fsdp_lite, torch_fsdp1, torch_fsdp2, or module.path:AdapterClass "
-        "(default fsdp_lite)",
+        help="implementations: fsdp_lite, fsdp_lite_fsdp2, torch_fsdp1, torch_fsdp2, deepspeed "
+        "(and its variants, see docs/deepspeed.md), or module.path:AdapterClass (default fsdp_lite)",
     )
     parser.add_argument(
         "--nproc", type=int, default=2, help="ranks to launch (default 2); ignored under torchrun"
@@ -154,7 +154,10 @@ def _cases(args: argparse.Namespace, world_size: int):
         adapter = get_adapter(spec)
         adapters[adapter.name] = adapter
     known = {name: a.strategies() for name, a in adapters.items()}
-    cases, notes = build_matrix(list(adapters), known, world_size, quick=args.quick)
+    features = {name: a.features() for name, a in adapters.items()}
+    cases, notes = build_matrix(
+        list(adapters), known, world_size, quick=args.quick, known_features=features
+    )
     cases = select(cases, args.only)
     return cases, notes, adapters
 

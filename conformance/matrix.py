@@ -18,6 +18,7 @@ from conformance.zoo import SPECS
 
 __all__ = [
     "CORE_STRATEGIES",
+    "EXTRA_FEATURES",
     "EXTRA_STRATEGIES",
     "FEATURES",
     "PRECISIONS",
@@ -94,7 +95,9 @@ class Feature:
     activation_checkpointing: bool = False
     checkpoint_after_wrap: bool = False  # torch's checkpoint_wrapper per Block, after wrapping
     move_mid_training: bool = False  # model.to(this rank's device, with its index) after step 1
-    cpu_offload: bool = False
+    cpu_offload: bool = False  # parameters in CPU memory between uses
+    disk_offload: bool = False  # parameters in files under the case's scratch directory
+    optimizer_offload: str | None = None  # the optimizer's state and step: "cpu" | "disk"
     backward_prefetch: str = "default"  # "default" | "BACKWARD_PRE" | "BACKWARD_POST" | "NONE"
     forward_prefetch: bool = False
 
@@ -150,8 +153,29 @@ FEATURES = {
             move_mid_training=True,
         ),
         Feature("tied_weights", "embedding and output head share one parameter (model lm)"),
+        # The offload features below are EXTRA_FEATURES: run only for implementations that list
+        # them (Adapter.features), since torch FSDP has no equivalent of any of them.
+        Feature(
+            "offload_optimizer",
+            "optimizer state and step in CPU memory (DeepSpeed offload_optimizer: cpu)",
+            optimizer_offload="cpu",
+        ),
+        Feature(
+            "disk_offload",
+            "parameters in files in a temporary directory (fsdp_lite CPUOffload(offload_dir=...), "
+            "DeepSpeed offload_param: nvme)",
+            disk_offload=True,
+        ),
+        Feature(
+            "disk_offload_optimizer",
+            "optimizer state in files in a temporary directory (DeepSpeed offload_optimizer: nvme)",
+            optimizer_offload="disk",
+        ),
     ]
 }
+# Run only for implementations whose adapter lists them (Adapter.features), in their own slice of
+# the default matrix: the matrix every other implementation runs does not grow.
+EXTRA_FEATURES = ("offload_optimizer", "disk_offload", "disk_offload_optimizer")
 
 
 @dataclass(frozen=True)
@@ -165,7 +189,7 @@ class Slice:
 
 
 _ALL_STRATEGIES = CORE_STRATEGIES + EXTRA_STRATEGIES
-_LOOP_FEATURES = tuple(f for f in FEATURES if f != "tied_weights")
+_LOOP_FEATURES = tuple(f for f in FEATURES if f != "tied_weights" and f not in EXTRA_FEATURES)
 
 # Every feature with one transformer, in every precision. The transformer has no tied weights, so
 # a tied-weights bug fails only the tied_weights case (which trains lm, the same model tied).
@@ -183,6 +207,11 @@ DEFAULT_MATRIX = (
     Slice(
         EXTRA_STRATEGIES, ("fp32", "bf16"), ("plain", "no_sync", "clip_grad_norm"), ("lm_untied",)
     ),
+    Slice(_ALL_STRATEGIES, ("fp32", "bf16"), EXTRA_FEATURES, ("lm_untied",)),
+    # Disk offload on a model big enough to reach the disk (DeepSpeed swaps only tensors >= 1 MiB).
+    Slice(
+        _ALL_STRATEGIES, ("fp32", "bf16"), ("disk_offload", "disk_offload_optimizer"), ("wide_lm",)
+    ),
 )
 QUICK_MATRIX = (
     Slice(CORE_STRATEGIES, ("fp32",), ("plain", "no_sync", "clip_grad_norm"), ("lm_untied",)),
@@ -197,24 +226,29 @@ def build_matrix(
     known_strategies: dict[str, Iterable[str]],
     world_size: int,
     quick: bool = False,
+    known_features: dict[str, Iterable[str]] | None = None,
 ) -> tuple[list[Case], list[str]]:
     """The cases to run for ``impls``, and notes on what was left out and why.
 
     ``known_strategies[impl]`` lists the ShardingStrategy members that implementation has; an
     extra strategy (HYBRID_SHARD, SHARD_OPTIM) runs only where it exists, a core one always (an
-    implementation without it reports it unsupported).
+    implementation without it reports it unsupported). ``known_features[impl]`` likewise lists the
+    EXTRA_FEATURES it has; the others run for every implementation.
     """
     cases: list[Case] = []
     notes: list[str] = []
     seen: set[Case] = set()
     for impl in impls:
         known = set(known_strategies.get(impl, ()))
+        features_known = set((known_features or {}).get(impl, ()))
         for part in QUICK_MATRIX if quick else DEFAULT_MATRIX:
             for strategy in part.strategies:
                 if strategy not in CORE_STRATEGIES and strategy not in known:
                     continue
                 for precision in part.precisions:
                     for feature in part.features:
+                        if feature in EXTRA_FEATURES and feature not in features_known:
+                            continue
                         for model in part.models:
                             case = Case(impl, strategy, precision, feature, model, world_size)
                             if case not in seen:

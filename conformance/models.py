@@ -195,6 +195,11 @@ _BUILDERS = {
     "convnet": ConvNet,
     "frozen": FrozenMLP,
     "hf_llama": _build_hf_llama,
+    # Wide enough that every embedding and MLP weight is at least 1 MiB per rank at 2 ranks in bf16:
+    # DeepSpeed's NVMe offload never writes a smaller tensor to disk (swap_tensor MIN_AIO_BYTES).
+    "wide_lm": lambda: TinyLM(
+        GPTConfig(vocab_size=4099, d_model=256, d_ff=4096, tie_embeddings=False)
+    ),
 }
 MODEL_NAMES = tuple(_BUILDERS)
 
@@ -203,8 +208,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
     """Build a zoo model by name with fixed weights: one of ``MODEL_NAMES``.
 
     'mlp', 'lm' and 'nested' are the core engine's test models; 'lm_untied' is 'lm' without the
-    tied head, 'convnet' has BatchNorm, 'frozen' has frozen parameters, and 'hf_llama' needs the
-    optional ``transformers`` package.
+    tied head, 'convnet' has BatchNorm, 'frozen' has frozen parameters, 'hf_llama' needs the
+    optional ``transformers`` package, and 'wide_lm' (6.8M parameters) is big enough for disk
+    offload to write it.
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")

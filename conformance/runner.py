@@ -2,7 +2,8 @@
 
 ``run_cases`` is called on every rank of an initialized process group (by the CLI, or by a test's
 ranks). Each case wraps the model through its adapter, trains it a few steps next to the cached
-references, compares every stage, and ends with a state-dict round trip. Ranks stay in lockstep:
+references, compares every stage, and ends with a state-dict round trip; it gets a scratch
+directory (offload files, checkpoints), the same path on every rank, removed when it ends. Ranks stay in lockstep:
 see Note [Lockstep]. A case's outcome is gathered from all ranks, so every rank returns the same
 ``CaseResult`` list. Printing is report.py's business.
 
@@ -19,6 +20,9 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import os
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +50,7 @@ from conformance.reference import (
     prepare_model,
 )
 from conformance.tolerances import STAGES, tolerance
-from conformance.training import ImplTrainer, train_step
+from conformance.training import ImplTrainer, make_sgd, train_step
 from conformance.zoo import spec
 
 __all__ = ["CaseResult", "RunContext", "run_cases"]
@@ -118,6 +122,21 @@ class RunContext:
         )
         self.references = ReferenceCache()
         self._new_data_group()
+        # One directory for the run, the same path on every rank (rank 0 makes it); each case gets
+        # a subdirectory for offload files and checkpoints, removed when the case ends.
+        made = [tempfile.mkdtemp(prefix="conformance-") if self.rank == 0 else None]
+        dist.broadcast_object_list(made, src=0, group=self.control_group)
+        self.scratch_root: str = made[0]
+
+    def scratch_dir(self, index: int) -> str:
+        """Case ``index``'s directory, made on every rank (ranks may not share a file system)."""
+        path = os.path.join(self.scratch_root, f"case{index}")
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def remove_scratch(self, path: str) -> None:
+        """Remove ``path`` on this rank, once every rank is done with it (after a collective)."""
+        shutil.rmtree(path, ignore_errors=True)  # ranks sharing the directory race: ignore
 
     def _new_data_group(self) -> None:
         self.group = dist.new_group(
@@ -153,8 +172,11 @@ class RunContext:
 class _CaseRun:
     """One case on one rank: build, train and compare, stage by stage."""
 
-    def __init__(self, ctx: RunContext, case: Case, adapter: Adapter, steps: int) -> None:
+    def __init__(
+        self, ctx: RunContext, case: Case, adapter: Adapter, steps: int, scratch_dir: str
+    ) -> None:
         self.ctx, self.case, self.adapter, self.steps = ctx, case, adapter, steps
+        self.scratch_dir = scratch_dir
         self.spec = spec(case.model)
         self.feature = FEATURES[case.feature]
         self.precision = PRECISIONS[case.precision]
@@ -205,6 +227,10 @@ class _CaseRun:
             cpu_offload=self.feature.cpu_offload,
             mesh=ctx.mesh,
             mesh_2d=ctx.mesh_2d,
+            disk_offload=self.feature.disk_offload,
+            optimizer_offload=self.feature.optimizer_offload,
+            scratch_dir=self.scratch_dir,
+            make_optimizer=make_sgd,
         )
 
     def _build(self, seed: int) -> ImplTrainer:
@@ -395,13 +421,16 @@ def run_cases(
         if reason is not None:
             result = CaseResult(case, "unsupported", reason=reason)
         else:
-            outcome = _CaseRun(ctx, case, adapter, steps).run()
+            scratch_dir = ctx.scratch_dir(index)
+            outcome = _CaseRun(ctx, case, adapter, steps, scratch_dir).run()
             outcomes: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(outcomes, outcome, group=ctx.control_group)
+            ctx.remove_scratch(scratch_dir)  # every rank is past the case: the gather above
             result = _merge(case, outcomes, time.perf_counter() - start)
             if result.status == "failed" and result.traceback is not None:
                 ctx.rebuild()
         results.append(result)
         if progress is not None:
             progress(index, len(cases), result)
+    ctx.remove_scratch(ctx.scratch_root)
     return results

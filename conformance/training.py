@@ -169,7 +169,7 @@ class ImplTrainer(Trainer):
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         ((x, y),) = _to(batch, self.device)  # ranks get one part each
         loss = self.spec.compute_loss(self.model(x), y)
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        self.adapter.backward(self.model, self.scaler.scale(loss) if self.scaler else loss)
         return loss.detach()
 
     def finish_backward(self) -> None:
@@ -180,7 +180,10 @@ class ImplTrainer(Trainer):
         return self.adapter.clip_grad_norm_(self.model, max_norm)
 
     def step(self) -> None:
-        _optimizer_step(self.optim, self.scaler)
+        if self.scaler is not None:
+            _optimizer_step(self.optim, self.scaler)
+        else:
+            self.adapter.step(self.model, self.optim)  # DeepSpeed: engine.step()
 
     def grads(self):
         return self.adapter.full_grads(self.model)

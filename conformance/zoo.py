@@ -119,6 +119,8 @@ SPECS: dict[str, ModelSpec] = {
         ModelSpec("convnet", _convnet_units, _images, "cross_entropy", batch_coupled=True),
         ModelSpec("frozen", _frozen_units, _regression(7, 3), "mse"),
         ModelSpec("hf_llama", _hf_units, _tokens, "cross_entropy", needs="transformers"),
+        # Its vocabulary is wider than the tokens fed (VOCAB): the head still sees every class.
+        ModelSpec("wide_lm", _of_type(Block), _tokens, "cross_entropy"),
     ]
 }
 

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -72,8 +73,8 @@ FLOOR = "single"
 @dataclasses.dataclass(frozen=True)
 class SystemSpec:
     name: str  # what --systems selects and the table shows
-    kind: str  # "single" | "ddp" | "fsdp1" | "fsdp2" | "lite" | "lite_fsdp2" (fully_shard front)
-    strategy: str | None = None  # a ShardingStrategy member name for fsdp1 / lite
+    kind: str  # "single" | "ddp" | "fsdp1" | "fsdp2" | "lite" | "lite_fsdp2" | "deepspeed"
+    strategy: str | None = None  # a ShardingStrategy member name for fsdp1 / lite; a ZeRO stage
     # Collectives per step in units of psi*(N-1)/N (all-gathers, reduce-scatters, all-reduces).
     theory: tuple[int, int, int] = (0, 0, 0)
     replicas: int = 1  # HYBRID_SHARD: the shard group is world_size / replicas ranks
@@ -84,6 +85,22 @@ class SystemSpec:
     # fsdp_lite logs each collective and compares the ranks' logs when a wait stalls
     # (fsdp_lite/order.py); False turns that off, to measure what it costs.
     order_check: bool = True
+    # deepspeed: ZeRO-3's memory_efficient_linear (None: DeepSpeed's default, True)
+    memory_efficient_linear: bool | None = None
+
+
+# DeepSpeed ZeRO stages, when deepspeed is installed (the "deepspeed" extra). ZeRO-1 and -2
+# reduce-scatter gradients and all-gather the stepped params (2 psi, arXiv 1910.02054); ZeRO-3
+# all-gathers again in backward.
+DEEPSPEED_SYSTEMS = (
+    SystemSpec("deepspeed/ZeRO-0", "deepspeed", "0", (0, 0, 1)),
+    SystemSpec("deepspeed/ZeRO-1", "deepspeed", "1", (1, 1, 0)),
+    SystemSpec("deepspeed/ZeRO-2", "deepspeed", "2", (1, 1, 0)),
+    SystemSpec("deepspeed/ZeRO-3", "deepspeed", "3", (2, 1, 0)),
+    SystemSpec(
+        "deepspeed/ZeRO-3/torch_linear", "deepspeed", "3", (2, 1, 0), memory_efficient_linear=False
+    ),
+)
 
 
 def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
@@ -116,6 +133,11 @@ def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
         left_out["fsdp_lite/HYBRID_SHARD"] = (
             f"world size {world_size}: needs 2 replicas of at least 2 shards (an even world size >= 4)"
         )
+    if importlib.util.find_spec("deepspeed") is not None:
+        specs += DEEPSPEED_SYSTEMS
+    else:
+        for spec in DEEPSPEED_SYSTEMS:
+            left_out[spec.name] = "deepspeed is not installed (pip install '.[deepspeed]')"
     return specs, left_out
 
 
@@ -136,6 +158,8 @@ class System:
     model: nn.Module
     optim: torch.optim.Optimizer
     autocast: bool  # bf16 by torch.autocast (single, DDP) rather than by sharded mixed precision
+    # deepspeed: the torch.nn.functional.linear its engine runs with (see deepspeed_linear)
+    ds_linear: object = None
 
 
 def build_model(cfg: GPTConfig, seed: int) -> TinyLM:
@@ -202,6 +226,8 @@ def build_system(
             else None,
             **kwargs,
         )
+    if spec.kind == "deepspeed":
+        return build_deepspeed_system(spec, model, dtype, lr)
     if spec.backend_collectives:  # the /collectives variant: the backend's own collectives
         for owner in unit_owners(model):
             owner._unit.transport = collectives.BACKEND
@@ -209,6 +235,57 @@ def build_system(
         fsdp_lite.set_collective_order_check(model, False)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     return System(spec, model, optim, autocast)
+
+
+def build_deepspeed_system(
+    spec: SystemSpec, model: nn.Module, dtype: torch.dtype | None, lr: float
+) -> System:
+    """``deepspeed.initialize`` at ZeRO stage ``spec.strategy``, torch's AdamW as the client
+    optimizer (no JIT-built op), DeepSpeed's defaults otherwise but for gradient clipping (off, as
+    for every other system here)."""
+    import deepspeed
+
+    # DeepSpeed insists on LOCAL_RANK, which torchrun sets and these spawned ranks (one host) lack.
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    zero = {"stage": int(spec.strategy)}
+    if spec.memory_efficient_linear is not None:
+        zero["memory_efficient_linear"] = spec.memory_efficient_linear
+    config = {
+        "train_micro_batch_size_per_gpu": 1,  # bookkeeping only: the batches are fed here
+        "zero_optimization": zero,
+        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+    }
+    if dtype is not None:
+        config["bf16"] = {"enabled": True}  # bf16 params, fp32 master and gradient accumulation
+    torch_linear = F.linear
+    try:
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=list(model.parameters()),
+            optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+            config=config,
+            dist_init_required=False,
+        )
+        ds_linear = F.linear
+    finally:
+        # ZeRO-3 replaces F.linear for the whole process: the other systems keep torch's.
+        F.linear = torch_linear
+    # The torch AdamW inside DeepSpeed's wrapper (over ZeRO's flat partitions, if any): what
+    # MemTracker and state_nbytes can read. The engine steps through its wrapper.
+    return System(spec, engine, engine.basic_optimizer, autocast=False, ds_linear=ds_linear)
+
+
+@contextlib.contextmanager
+def deepspeed_linear(system: System):
+    """Run with the F.linear DeepSpeed chose (ZeRO-3: memory_efficient_linear), then torch's."""
+    torch_linear = F.linear
+    F.linear = system.ds_linear
+    try:
+        yield
+    finally:
+        F.linear = torch_linear
 
 
 def make_batch(
@@ -222,6 +299,13 @@ def make_batch(
 
 def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> float:
     """One forward, backward and AdamW step; returns the loss."""
+    if system.spec.kind == "deepspeed":  # the engine owns backward and the step
+        with deepspeed_linear(system):
+            logits = system.model(inputs)  # (batch, seq_len, vocab_size)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            system.model.backward(loss)
+        system.model.step()  # steps and zeroes the gradients
+        return loss.item()
     system.optim.zero_grad(set_to_none=True)
     cast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if system.autocast else contextlib.nullcontext()
@@ -318,9 +402,16 @@ def trace_sent_nbytes(records, group_sizes: dict[str, int]) -> dict[str, float]:
 def state_nbytes(system: System) -> dict[str, int]:
     """Bytes of the storages behind params, grads and optimizer state on this rank, padding included."""
     params = list(system.model.parameters())
+    optim = system.optim
+    if system.spec.kind == "deepspeed":
+        # ZeRO-3 keeps each rank's partition in ds_tensor (the parameter itself is empty); the
+        # torch optimizer steps fp32 masters of its own (ZeRO's flat partitions), counted as
+        # params. DeepSpeed's gradient buffers are its own and are not counted.
+        params = [getattr(p, "ds_tensor", p) for p in params]
+        params += [p for group in optim.param_groups for p in group["params"]]
     grads = [p.grad for p in params if p.grad is not None]
     optim_state = [
-        t for s in system.optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        t for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)
     ]
     counted = {
         "params": storage_nbytes(params),

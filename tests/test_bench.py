@@ -172,3 +172,37 @@ def test_bench_collectives_times_both_ways_and_checks_their_bits(world_size):
     if world_size != 2:  # reduce-scatter by sends is for 2 ranks only
         expected.remove(("reduce_scatter", "sends"))
     assert [(row[2], row[3]) for row in table] == expected
+
+
+def test_deepspeed_stages_are_left_out_with_the_reason_where_deepspeed_is_missing(monkeypatch):
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(
+        bench.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "deepspeed" else find_spec(name, *a),
+    )
+    specs, left_out = bench.all_systems(2)
+    names = {s.name for s in specs}
+    for spec in bench.DEEPSPEED_SYSTEMS:
+        assert spec.name not in names
+        assert "deepspeed is not installed" in left_out[spec.name]
+    with pytest.raises(SystemExit):  # asking for one says why it cannot run
+        bench.parse_args(["--systems", "deepspeed/ZeRO-3"])
+
+
+@pytest.mark.slow
+def test_deepspeed_stages_train_as_ddp_does_in_the_same_interleaved_run(tmp_path):
+    pytest.importorskip(
+        "deepspeed", reason="deepspeed is not installed (pip install '.[deepspeed]')"
+    )
+    systems = ["ddp", "fsdp_lite/FULL_SHARD"] + [s.name for s in bench.DEEPSPEED_SYSTEMS]
+    report = run_bench(tmp_path / "bench.json", "--systems", ",".join(systems))
+    rows = {r["system"]: r for r in report["results"]}
+    assert list(rows) == systems
+    for spec in bench.DEEPSPEED_SYSTEMS:
+        row = rows[spec.name]
+        # fp32 AdamW at 2 ranks: (a + b) / 2 is one rounding however the mean is taken.
+        assert row["final_loss_rank0"] == rows["ddp"]["final_loss_rank0"], spec.name
+        assert row["sent_nbytes_total"] > 0, spec.name
+    zero3 = rows["deepspeed/ZeRO-3"]["state_nbytes"][0]["total"]
+    assert zero3 < rows["deepspeed/ZeRO-0"]["state_nbytes"][0]["total"]  # ZeRO-3 partitions params

@@ -22,7 +22,7 @@ import torch
 
 from conformance.adapters import Adapter, Unsupported, get_adapter
 from conformance.adapters.lite import FsdpLiteAdapter
-from conformance.matrix import FEATURES, Case, build_matrix, select
+from conformance.matrix import EXTRA_FEATURES, FEATURES, Case, build_matrix, select
 from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,7 +281,10 @@ def test_one_rank_failing_inside_a_collective_fails_only_that_case(tmp_path):
 
 def test_default_matrix_covers_every_feature_strategy_and_precision():
     cases, _ = build_matrix(
-        ["fsdp_lite"], {"fsdp_lite": ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]}, 2
+        ["fsdp_lite"],
+        {"fsdp_lite": ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]},
+        2,
+        known_features={"fsdp_lite": EXTRA_FEATURES},
     )
     assert {c.feature for c in cases} == set(FEATURES)
     assert {c.strategy for c in cases} == {"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"}
@@ -296,6 +299,41 @@ def test_extra_strategies_only_for_implementations_that_have_them():
     cases, _ = build_matrix(["a", "b"], {"a": ["HYBRID_SHARD"], "b": []}, 2)
     assert {c.impl for c in cases if c.strategy == "HYBRID_SHARD"} == {"a"}
     assert not [c for c in cases if c.strategy == "SHARD_OPTIM"]
+
+
+def test_extra_features_only_for_implementations_that_list_them():
+    cases, _ = build_matrix(["a", "b"], {}, 2, known_features={"a": ["disk_offload"]})
+    extra = {(c.impl, c.feature) for c in cases if c.feature in EXTRA_FEATURES}
+    assert extra == {("a", "disk_offload")}
+    assert {c.model for c in cases if c.feature == "disk_offload"} == {"lm_untied", "wide_lm"}
+    # The matrix of an implementation that lists none is what it was before the offload features.
+    assert len([c for c in cases if c.impl == "b"]) == len(build_matrix(["b"], {}, 2)[0])
+
+
+class DiskOffloadSeenAdapter(FsdpLiteAdapter):
+    """fsdp_lite, noting what its disk offload left in the case's scratch directory."""
+
+    name = "disk_offload_seen"
+
+    def wrap(self, model, request):
+        wrapped = super().wrap(model, request)
+        self.seen = sorted(os.listdir(request.scratch_dir))
+        return wrapped
+
+
+def _disk_offload_rank(rank: int, world_size: int):
+    from conformance.runner import run_cases
+
+    adapter = DiskOffloadSeenAdapter()
+    case = Case(adapter.name, "FULL_SHARD", "fp32", "disk_offload", "mlp", 2)
+    return run_cases([case], [adapter], timeout_s=30.0)[0], adapter.seen
+
+
+def test_fsdp_lite_disk_offload_writes_into_the_case_directory_and_passes(tmp_path):
+    (result, seen), _ = run_ranks(_disk_offload_rank, 2, tmp_path, timeout=120)
+    assert result.status == "passed", result.reason
+    assert all(per["ddp"].bitwise for per in result.stages.values())
+    assert seen, "CPUOffload(offload_dir=...) made no directory in the case's scratch directory"
 
 
 def test_only_selects_by_glob_or_substring():

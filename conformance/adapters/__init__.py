@@ -1,6 +1,8 @@
 """Adapters: one per FSDP implementation, found by name (``--impl NAME``).
 
-Built-in names are ``fsdp_lite``, ``fsdp_lite_fsdp2``, ``torch_fsdp1`` and ``torch_fsdp2``. A third party either passes
+Built-in names are ``fsdp_lite``, ``fsdp_lite_fsdp2``, ``torch_fsdp1``, ``torch_fsdp2`` and ``deepspeed``
+(and its variants ``deepspeed_torch_linear``: ZeRO-3 without memory_efficient_linear, and
+``deepspeed_config_optimizer``: the optimizer built by DeepSpeed from its config). A third party either passes
 ``--impl package.module:ClassName`` (any importable ``Adapter`` subclass) or calls ``register`` on
 its class before running. See docs/conformance.md, "Adding an adapter for your own FSDP".
 """
@@ -34,6 +36,9 @@ BUILTIN = {
     "torch_fsdp1": "conformance.adapters.fsdp1:TorchFSDP1Adapter",
     "torch_fsdp2": "conformance.adapters.fsdp2:TorchFSDP2Adapter",
     "fsdp_lite_fsdp2": "conformance.adapters.fsdp2:FsdpLiteFSDP2Adapter",
+    "deepspeed": "conformance.adapters.deepspeed:DeepSpeedAdapter",
+    "deepspeed_torch_linear": "conformance.adapters.deepspeed:DeepSpeedTorchLinearAdapter",
+    "deepspeed_config_optimizer": "conformance.adapters.deepspeed:DeepSpeedConfigOptimizerAdapter",
 }
 _REGISTERED: dict[str, type[Adapter]] = {}
 

@@ -10,6 +10,7 @@ See docs/conformance.md, "Adding an adapter for your own FSDP".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 from collections.abc import Callable, Iterator
@@ -57,6 +58,14 @@ class WrapRequest:
         mesh: a 1-D DeviceMesh over ``group``.
         mesh_2d: ``mesh_2d(replicate, shard)`` builds (once per run) a 2-D mesh over all ranks
             with dims ("replicate", "shard"); ``hybrid_mesh()`` picks the shape for HYBRID_SHARD.
+        disk_offload: keep parameters in files under ``scratch_dir`` (fsdp_lite's
+            CPUOffload(offload_params=True, offload_dir=...)).
+        optimizer_offload: None, or where the optimizer's state lives and steps: "cpu" or "disk"
+            (DeepSpeed's offload_optimizer).
+        scratch_dir: a directory for this case, the same path on every rank, removed when the
+            case ends: offload files and checkpoints go here.
+        make_optimizer: the suite's optimizer factory, ``make_optimizer(params)``, for an
+            implementation that must own the optimizer when it wraps (DeepSpeed).
     """
 
     case: Case
@@ -69,6 +78,10 @@ class WrapRequest:
     cpu_offload: bool
     mesh: DeviceMesh
     mesh_2d: Callable[[int, int], DeviceMesh]
+    disk_offload: bool = False
+    optimizer_offload: str | None = None
+    scratch_dir: str | None = None
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
 
     @property
     def strategy(self) -> str:
@@ -122,6 +135,10 @@ class Adapter:
         """
         return ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
 
+    def features(self) -> list[str]:
+        """The ``matrix.EXTRA_FEATURES`` this implementation has; only those are put in its matrix."""
+        return []
+
     def unsupported_reason(self, case: Case) -> str | None:
         """Why ``case`` cannot run on this implementation, or None. No collectives here."""
         return None
@@ -149,6 +166,15 @@ class Adapter:
         raise Unsupported(f"{self.name} has no gradient scaler for fp16")
 
     # ---- the training loop's hooks -----------------------------------------------------------
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        """Backward from ``loss`` (already scaled under fp16)."""
+        loss.backward()
+
+    def step(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        """The optimizer step, then drop the gradients (not used under fp16's grad scaler)."""
+        optim.step()
+        optim.zero_grad(set_to_none=True)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which backward accumulates gradients without communicating."""
@@ -227,7 +253,15 @@ class Fsdp1ApiAdapter(Adapter):
             kwargs["mixed_precision"] = api.MixedPrecision(
                 param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype
             )
-        if request.cpu_offload:
+        if request.optimizer_offload is not None:
+            raise Unsupported(f"{self.api}.CPUOffload has no optimizer-only offload")
+        if request.disk_offload:
+            if "offload_dir" not in {f.name for f in dataclasses.fields(api.CPUOffload)}:
+                raise Unsupported(f"{self.api}.CPUOffload has no offload_dir (disk offload)")
+            kwargs["cpu_offload"] = api.CPUOffload(
+                offload_params=True, offload_dir=request.scratch_dir
+            )
+        elif request.cpu_offload:
             kwargs["cpu_offload"] = api.CPUOffload(offload_params=True)
         if request.backward_prefetch != "default":
             kwargs["backward_prefetch"] = (

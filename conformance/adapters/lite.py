@@ -17,3 +17,8 @@ class FsdpLiteAdapter(Fsdp1ApiAdapter):
     name = "fsdp_lite"
     description = "fsdp_lite.FullyShardedDataParallel (this repository)"
     api = "fsdp_lite"
+
+    def features(self) -> list[str]:
+        # CPUOffload(offload_params=True, offload_dir=...): params, grads and optimizer state in
+        # files (docs/disk_offload.md). Its optimizer state never goes to disk without the params.
+        return ["disk_offload"]
