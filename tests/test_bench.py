@@ -206,3 +206,16 @@ def test_deepspeed_stages_train_as_ddp_does_in_the_same_interleaved_run(tmp_path
         assert row["sent_nbytes_total"] > 0, spec.name
     zero3 = rows["deepspeed/ZeRO-3"]["state_nbytes"][0]["total"]
     assert zero3 < rows["deepspeed/ZeRO-0"]["state_nbytes"][0]["total"]  # ZeRO-3 partitions params
+
+
+def test_order_check_script_reports_both_settings():
+    flags = TINY[: TINY.index("--steps")]  # the tiny model and batch; the script has its steps
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(ROOT / "scripts" / "bench_order_check.py"), "--steps", "4", *flags],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "order check on : step median" in proc.stdout, proc.stdout
+    assert "order check off: step median" in proc.stdout, proc.stdout
