@@ -275,7 +275,8 @@ class ShardedUnit:
         with self._queued_on(side), self._label("all_gather"):
             self._gathering_post_forward = self._post_forward_rows is not None
             if self._gathering_post_forward:  # Note [Post-forward shards]
-                group, transport, tag = self.post_forward_group, self._post_forward_transport, "pf"
+                group, transport = self.post_forward_group, self._post_forward_transport
+                tag = "all_gather_post_forward"
                 all_gather_input = self._post_forward_rows
                 all_gather_output = all_gather_input.new_empty(
                     self.world_size * self.unit_shard_numel
