@@ -202,6 +202,7 @@ class ShardedUnit:
         # FSDP2's int reshard_after_forward (ZeRO++'s hpZ): see Note [Post-forward shards].
         self.post_forward_group: dist.ProcessGroup | None = None
         self._post_forward_transport: collectives.Transport | None = None
+        self._post_forward_block: slice | None = None  # which of the N rows this rank keeps
         self._post_forward_rows: torch.Tensor | None = (
             None  # this rank's block, forward to backward
         )
@@ -409,13 +410,14 @@ class ShardedUnit:
         self.post_forward_group = group
         self._post_forward_transport = collectives.Transport.choose(group, self.compute_device)
         self._order_logs[group] = order.log_for(group)
+        per = self.world_size // dist.get_world_size(group)
+        first = dist.get_rank(group) * per
+        self._post_forward_block = slice(first, first + per)  # this rank's rows to keep
 
     def _keep_post_forward_rows(self) -> None:
-        k, j = dist.get_world_size(self.post_forward_group), dist.get_rank(self.post_forward_group)
-        per = self.world_size // k
         with torch.no_grad():
             blocks = [
-                p.unsharded_flat.view(self.world_size, -1)[j * per : (j + 1) * per]
+                p.unsharded_flat.view(self.world_size, -1)[self._post_forward_block]
                 for p in self.params
             ]  # each (N/k, shard_numel): those ranks' shards of one param
             self._post_forward_rows = torch.cat(blocks, dim=1).reshape(-1)

@@ -125,9 +125,9 @@ def test_diverged_names_ranks_waiting_on_different_collectives():
 
 
 def _state_dict_on_rank_0_only(rank: int, world_size: int) -> dict:
+    model = build_model("lm_untied")
     model = fsdp_lite.FullyShardedDataParallel(
-        build_model("lm_untied"),
-        auto_wrap_policy=fsdp_lite.wrap.ModuleWrapPolicy({type(build_model("lm").blocks[0])}),
+        model, auto_wrap_policy=fsdp_lite.wrap.ModuleWrapPolicy({type(model.blocks[0])})
     )
     start = time.monotonic()
     try:
