@@ -54,6 +54,7 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(losses, f)
+    dist.barrier()  # leave together: a rank tearing gloo down under a peer's read can abort it
     dist.destroy_process_group()
 
 
