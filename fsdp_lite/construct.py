@@ -475,8 +475,11 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], config: UnitConfig) -> No
                 dist.broadcast(tensor.data, src=source, group=group)
 
 
-def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
-    """Collect the parameters this wrapper owns (not nested wrappers', not ignored) and shard them."""
+def _build_unit(
+    module: nn.Module, config: UnitConfig, shard_dims: dict[nn.Parameter, int] | None = None
+) -> ShardedUnit:
+    """Collect the parameters this wrapper owns (not nested wrappers', not ignored) and shard them,
+    each on dim 0 or on its dim in ``shard_dims`` (param.py Note [Shard dim])."""
     locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     names: dict[nn.Parameter, str] = {}
     nested_params: dict[int, ShardedParam] = {}
@@ -512,8 +515,10 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
                 f"({nested_params[id(param)].fqn!r}); put the modules sharing it in one unit"
             )
     buffers: dict[nn.Parameter, torch.Tensor] = {}  # param -> the unsharded buffer it lives in
+    # By name: meta init below replaces the parameter objects.
+    dim_of = {names[p]: dim for p, dim in (shard_dims or {}).items() if p in names}
     if _has_meta(own_modules):
-        locations, names, buffers = _materialize(own_modules, locations, names, config)
+        locations, names, buffers = _materialize(own_modules, locations, names, config, dim_of)
     # ``names`` is in registration (pre-order) order, so the flat layout is the same on every rank.
     ordered = list(names)
     rank = dist.get_rank(config.group)
@@ -532,6 +537,7 @@ def _build_unit(module: nn.Module, config: UnitConfig) -> ShardedUnit:
             compute_device=config.device,
             unsharded_buffer=buffers.get(p),
             disk=config.disk,
+            shard_dim=dim_of.get(names[p], 0),
         )
         for p in ordered
     ]
@@ -591,6 +597,7 @@ def _materialize(
     locations: dict[nn.Parameter, list[tuple[nn.Module, str]]],
     names: dict[nn.Parameter, str],
     config: UnitConfig,
+    dim_of: dict[str, int],
 ) -> tuple[dict, dict, dict]:
     """Allocate and initialize this unit's meta-device params and buffers, just before sharding.
 
@@ -617,7 +624,9 @@ def _materialize(
             shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
             if config.rules.shard_params and param.dim() > 0 and compute_dtype == param.dtype:
                 buffer = torch.empty(
-                    padded_numel(shape, world_size), dtype=param.dtype, device=config.device
+                    padded_numel(shape, world_size, dim_of.get(names[param], 0)),
+                    dtype=param.dtype,
+                    device=config.device,
                 )
                 data = buffer[: math.prod(shape)].view(shape)
             else:

@@ -34,6 +34,7 @@ from fsdp_lite.construct import (
 )
 from fsdp_lite.interop import TorchFSDPModule, register_state
 from fsdp_lite.mixed_precision import Precision, cast_floating
+from fsdp_lite.names import clean_name
 from fsdp_lite.runtime import (
     eager,
     lazy_init,
@@ -123,7 +124,9 @@ def fully_shard(
             An int k dividing the shard group's size: keep 1/k of them after forward, and gather
             backward's within groups of k consecutive ranks (ZeRO++'s hpZ; unit.py, Note
             [Post-forward shards]).
-        shard_placement_fn: None, or returns ``Shard(0)`` / None for each parameter.
+        shard_placement_fn: None, or returns ``Shard(dim)`` (negative counts from the end) or
+            None (dim 0) for each parameter this call shards; a dim other than 0 must divide
+            evenly, as in torch (param.py Note [Shard dim]).
         mp_policy: a ``MixedPrecisionPolicy``.
         offload_policy: ``OffloadPolicy()`` (default) or ``CPUOffloadPolicy()``.
         ignored_params: parameters left alone: not sharded, not reduced.
@@ -133,8 +136,9 @@ def fully_shard(
         a list, every member's is.
 
     Raises:
-        ValueError: an int ``reshard_after_forward`` that does not divide the shard group.
-        NotImplementedError: what is not built (a placement other than ``Shard(0)``; an int
+        ValueError: an int ``reshard_after_forward`` that does not divide the shard group; a
+            placement that is not a ``Shard`` of one of the parameter's dims.
+        NotImplementedError: what is not built (uneven ``Shard(dim)`` for dim > 0; an int
             ``reshard_after_forward`` with CPU offload or DTensor parameters), before any
             collective.
     """
@@ -162,13 +166,7 @@ def fully_shard(
             reshard_after_forward, mesh, offload_policy
         )
     config = _config(tree, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
-    if shard_placement_fn is not None:
-        for name, param in tree.named_parameters():
-            placement = shard_placement_fn(param)
-            if placement is not None and placement != Shard(0):
-                raise NotImplementedError(
-                    f"shard_placement_fn gave {name!r} {placement!r}; only Shard(0) is built"
-                )
+    shard_dims = _shard_dims(tree, config, shard_placement_fn)
     _move_to_device(tree, config)
     check_tensor_parallel_params(tree, config, "fully_shard")
     if smaller_group is not None and any(isinstance(p, DTensor) for p in tree.parameters()):
@@ -177,7 +175,7 @@ def fully_shard(
         )
     # A collective, after every argument was checked: different models fail here on every rank.
     _check_same_model_across_ranks(tree, config)
-    unit = _build_unit(tree, config)
+    unit = _build_unit(tree, config, shard_dims)
     if smaller_group is not None:
         unit.reshard_to_smaller_group(_post_forward_group(config.mesh, smaller_group))
     # torch: None frees after forward except at the root; True frees at the root too.
@@ -198,6 +196,47 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
         register_state(m, _PipelineView(unit))
     return module
+
+
+def _shard_dims(
+    tree: nn.Module,
+    config: UnitConfig,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+) -> dict[nn.Parameter, int]:
+    """The dim other than 0 that ``shard_placement_fn`` gives each parameter this call shards
+    (param.py Note [Shard dim]); checked here, before any collective, by torch FSDP2's rules."""
+    if shard_placement_fn is None:
+        return {}
+    nested = {id(p.sharded_param) for m in tree.modules() if owns_unit(m) for p in m._unit.params}
+    shard_size = config.mesh.size(config.mesh.ndim - 1)
+    dims = {}
+    for name, param in tree.named_parameters():
+        if id(param) in nested or param in config.ignored_params:
+            continue
+        placement = shard_placement_fn(param)
+        if placement is None:
+            continue
+        name = clean_name(name)
+        if type(placement) is not Shard:
+            raise ValueError(
+                f"shard_placement_fn gave {name!r} {placement!r}; it must return Shard(dim) or None"
+            )
+        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < param.ndim:
+            raise ValueError(
+                f"shard_placement_fn gave {name!r} {placement!r}, but it is a {param.ndim}-D "
+                f"parameter of shape {tuple(param.shape)}"
+            )
+        shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
+        if dim > 0 and shape[dim] % shard_size:
+            raise NotImplementedError(  # torch FSDP2 refuses it too: no padding off dim 0
+                f"shard_placement_fn gave {name!r} {Shard(dim)!r}, but its dim {dim} ({shape[dim]}) "
+                f"does not divide into the shard group's {shard_size} ranks; only dim 0 shards "
+                "unevenly"
+            )
+        if dim > 0:
+            dims[param] = dim
+    return dims
 
 
 def _post_forward_size(

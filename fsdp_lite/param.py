@@ -8,7 +8,8 @@ Glossary (variables, trace labels and docs use these words exactly):
 
   orig_param         the nn.Parameter the user built                      ND, full shape
   padded_numel       ceil(dim0 / world_size) * world_size * row_numel     int
-  sharded_param      this rank's rows of dim 0, a DTensor Shard(0);       ND, 1/N
+  sharded_param      this rank's rows of dim 0, a DTensor Shard(0)        ND, 1/N
+                     (Note [Shard dim]: of dim d, Shard(d));
                      what the optimizer steps
   all_gather_input   the unit's sharded params, copied into one buffer    1D, unit_shard_numel
   all_gather_output  every rank's all_gather_input, concatenated          1D, N * unit_shard_numel
@@ -29,6 +30,16 @@ not one contiguous piece of the global tensor, so the dp placement is ``_Strided
 split_factor=TP's shards of dim 0)``. Gradients arrive as DTensors on the TP mesh; a Partial one
 (a replicated LayerNorm weight under sequence parallelism) is reduced over TP first, then its
 local tensor goes into the flat reduction as any gradient.
+
+Note [Shard dim]: ``fully_shard(shard_placement_fn=...)`` may shard a parameter on a dim d other
+than 0 (``Shard(1)`` for torchtitan's MoE experts). As in torch FSDP2, d > 0 must divide evenly
+(no padding). This rank's shard is then its chunk of dim d, stored contiguous in its own shape
+(``local_shape``), so ``sharded_flat`` and the flat collectives are exactly those of dim 0:
+rank r's piece of the all-gather is its chunk. Only the two copies between that rank-major layout
+and the whole parameter change: the all-gather's copy-out concatenates the N chunks on dim d
+(``copy_out_gathered``), and the gradient is cut into its N chunks of dim d, stacked on dim 0,
+before the reduce-scatter's copy-in (``rank_major_grad``), which is what torch FSDP2 does. "Rows"
+in this file are slices of the shard dim.
 
 Note [Padding]: dim 0 is cut into world_size chunks of ``shard_rows = ceil(dim0 / world_size)`` rows,
 the torch.chunk rule that DTensor's Shard(0) also uses, so the last ranks may hold fewer rows or none.
@@ -90,9 +101,11 @@ def shard_rows(dim0: int, world_size: int) -> int:
     return -(-dim0 // world_size)
 
 
-def padded_numel(shape: torch.Size, world_size: int) -> int:
-    """Elements of a parameter's unsharded buffer: dim 0 rounded up to a multiple of world_size."""
-    return shard_rows(shape[0], world_size) * world_size * math.prod(shape[1:])
+def padded_numel(shape: torch.Size, world_size: int, shard_dim: int = 0) -> int:
+    """Elements of a parameter's unsharded buffer: the shard dim rounded up to a multiple of
+    world_size."""
+    rows = shape[shard_dim]
+    return shard_rows(rows, world_size) * world_size * (math.prod(shape) // rows if rows else 0)
 
 
 def free_storage(tensor: torch.Tensor) -> None:
@@ -160,14 +173,19 @@ class TensorParallel:
             )
 
     @classmethod
-    def of(cls, param: DTensor, fqn: str, dp_mesh: DeviceMesh | None) -> TensorParallel:
-        """The layout of ``param`` sharded over ``dp_mesh`` too (raises as ``check``)."""
+    def of(
+        cls, param: DTensor, fqn: str, dp_mesh: DeviceMesh | None, shard_dim: int = 0
+    ) -> TensorParallel:
+        """The layout of ``param`` sharded on ``shard_dim`` over ``dp_mesh`` too (raises as
+        ``check``)."""
         TensorParallel.check(param, fqn, dp_mesh)
         tp_mesh = param.device_mesh
         split = math.prod(
-            tp_mesh.size(i) for i, pl in enumerate(param.placements) if pl == Shard(0)
+            tp_mesh.size(i) for i, pl in enumerate(param.placements) if pl == Shard(shard_dim)
         )
-        dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        dp_placement = (
+            _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+        )
         return cls(
             mesh=tp_mesh,
             placements=tuple(param.placements),
@@ -179,15 +197,18 @@ class TensorParallel:
 
 
 class ShardedParam:
-    """One original parameter of a unit, sharded on dim 0 across the unit's process group.
+    """One original parameter of a unit, sharded on dim 0 (or ``shard_dim``) across the unit's
+    process group.
 
     With ``shard=False`` (NO_SHARD) the parameter stays whole: ``sharded_param`` is the original
     parameter itself and there is no unsharded copy.
     """
 
     orig_size: torch.Size
-    shard_rows: int  # rows of dim 0 each rank stores, padding included
+    shard_dim: int  # the dim cut into shards: 0 unless shard_placement_fn said (Note [Shard dim])
+    shard_rows: int  # rows of the shard dim each rank stores, padding included
     local_rows: int  # rows this rank really has (fewer on the last ranks, see Note [Padding])
+    local_shape: torch.Size  # this rank's shard: orig_size with local_rows on the shard dim
     local_numel: int  # local_rows * row_numel: the unpadded part of sharded_flat
     shard_numel: int  # shard_rows * row_numel: this rank's piece of the flat buffers
     padded_numel: int  # world_size * shard_numel
@@ -211,18 +232,20 @@ class ShardedParam:
         compute_device: torch.device | None = None,
         unsharded_buffer: torch.Tensor | None = None,
         disk: Any = None,  # a disk_offload.DiskStore (which imports this file)
+        shard_dim: int = 0,
     ) -> None:
         if shard and orig_param.dim() == 0:
             raise NotImplementedError(
                 f"parameter {fqn!r} is 0-dimensional; sharding on dim 0 needs at least one dim"
             )
+        self.shard_dim = shard_dim
         self.tp = None
         if isinstance(orig_param, DTensor):  # Note [Tensor parallel parameters]
             if not shard:
                 raise NotImplementedError(
                     f"parameter {fqn!r} is a DTensor; only sharding strategies take DTensors"
                 )
-            self.tp = TensorParallel.of(orig_param, fqn, mesh)
+            self.tp = TensorParallel.of(orig_param, fqn, mesh, shard_dim)
         self.fqn = fqn
         self.locations = locations  # every (module, attribute) holding this parameter: tied weights
         self.requires_grad = orig_param.requires_grad
@@ -239,6 +262,7 @@ class ShardedParam:
         self.disk_files = disk.new_param(fqn) if disk is not None and shard else None
         if not shard:
             self.shard_rows = self.local_rows = self.orig_size[0] if orig_param.dim() else 1
+            self.local_shape = self.orig_size
             self.shard_numel = self.padded_numel = self.local_numel = orig_param.numel()
             compute = compute_device or orig_param.device
             storage = storage_device or compute
@@ -260,10 +284,11 @@ class ShardedParam:
                 free_storage(self.unsharded_flat)
             return
 
-        dim0 = self.orig_size[0]
-        row_numel = self.numel // dim0 if dim0 else 0
-        self.shard_rows = shard_rows(dim0, world_size)
-        self.local_rows = max(0, min(self.shard_rows, dim0 - rank * self.shard_rows))
+        rows = self.orig_size[shard_dim]
+        row_numel = self.numel // rows if rows else 0
+        self.shard_rows = shard_rows(rows, world_size)
+        self.local_rows = max(0, min(self.shard_rows, rows - rank * self.shard_rows))
+        self.local_shape = _with_size(self.orig_size, shard_dim, self.local_rows)
         self.shard_numel = self.shard_rows * row_numel
         self.padded_numel = self.shard_numel * world_size
 
@@ -274,11 +299,8 @@ class ShardedParam:
         self.sharded_flat = offload.new_shard(
             self.shard_numel, data.dtype, storage, compute, self.disk_files
         )
-        start = rank * self.shard_rows
         self.local_numel = self.local_rows * row_numel
-        self.sharded_flat[: self.local_numel].copy_(
-            data[start : start + self.local_rows].reshape(-1)
-        )
+        self.sharded_flat[: self.local_numel].copy_(self._block(data).reshape(-1))
         self.sharded_param = nn.Parameter(
             self._to_dtensor(self.sharded_flat[: self.local_numel]),
             requires_grad=self.requires_grad,
@@ -313,7 +335,7 @@ class ShardedParam:
 
     def global_box(self) -> list[tuple[int, int]]:
         """The [start, stop) of each dim of the global tensor that this rank's shard covers:
-        its rows of dim 0 after tensor parallel's cut (Note [Tensor parallel parameters])."""
+        its rows of the shard dim after tensor parallel's cut (Note [Tensor parallel parameters])."""
         box = [(0, size) for size in (self.tp.shape if self.tp is not None else self.orig_size)]
         if self.tp is not None:
             tp_rank = self.tp.mesh.get_local_rank()
@@ -322,9 +344,10 @@ class ShardedParam:
                     chunk = -(-self.tp.shape[pl.dim] // self.tp.mesh.size())
                     start = min(tp_rank * chunk, self.tp.shape[pl.dim])
                     box[pl.dim] = (start, start + self.orig_size[pl.dim])
-        first = box[0][0] + self.rank * self.shard_rows if self.is_sharded else box[0][0]
-        rows = self.local_rows if self.is_sharded else self.orig_size[0]
-        box[0] = (min(first, box[0][1]), min(first + rows, box[0][1]))
+        d = self.shard_dim
+        first = box[d][0] + self.rank * self.shard_rows if self.is_sharded else box[d][0]
+        rows = self.local_rows if self.is_sharded else self.orig_size[d]
+        box[d] = (min(first, box[d][1]), min(first + rows, box[d][1]))
         return box
 
     def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -337,7 +360,7 @@ class ShardedParam:
         return grad._local_tensor
 
     def _to_dtensor(self, local_flat: torch.Tensor) -> DTensor:
-        local = local_flat.view(self.local_rows, *self.orig_size[1:])  # (local_rows, *rest)
+        local = local_flat.view(self.local_shape)  # (local_rows, *rest) for shard dim 0
         if self.tp is not None:
             return DTensor.from_local(
                 local,
@@ -351,7 +374,9 @@ class ShardedParam:
             local,
             self.mesh,
             # HYBRID_SHARD's 2-D (replicate, shard) mesh: the same shard on every replica.
-            [Replicate(), Shard(0)] if self.mesh.ndim == 2 else [Shard(0)],
+            [Replicate(), Shard(self.shard_dim)]
+            if self.mesh.ndim == 2
+            else [Shard(self.shard_dim)],
             run_check=False,
             shape=self.orig_size,
             stride=_contiguous_strides(self.orig_size),
@@ -388,7 +413,7 @@ class ShardedParam:
             if local.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                 flat.copy_(local.reshape(-1))
             # What FSDP2's reset_sharded_param does: the DTensor views the shard buffer again.
-            current._local_tensor = flat.view(self.local_rows, *self.orig_size[1:])
+            current._local_tensor = flat.view(self.local_shape)
         else:
             storage = self.sharded_flat.device
             if local.device != storage:  # CPU offload keeps the whole param in CPU memory
@@ -438,15 +463,25 @@ class ShardedParam:
         else:
             self.sharded_param.grad += grad
 
-    def rows_of(self, full_flat: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a whole, unpadded 1D tensor of this parameter's shape (a view)."""
+    def _block(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the shard dim of a full-shape tensor (a view; a slice clamps, so
+        the last ranks' short or empty blocks need no special case)."""
         start = self.rank * self.shard_rows
-        return full_flat.view(self.orig_size)[start : start + self.local_rows].reshape(-1)
+        index = (slice(None),) * self.shard_dim + (slice(start, start + self.local_rows),)
+        return full[index]
+
+    def rows_of(self, full_flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole, unpadded 1D tensor of this parameter's shape (a view for
+        shard dim 0, a copy otherwise)."""
+        return self._block(full_flat.view(self.orig_size)).reshape(-1)
 
     def full_from_rows(self, rows: torch.Tensor, device: torch.device | None) -> torch.Tensor:
         """This parameter, full and unpadded, from its gathered rows (N, shard_numel)."""
-        dim0, row_numel = self.orig_size[0], math.prod(self.orig_size[1:])
         out = torch.empty(self.orig_size, dtype=rows.dtype, device=device or rows.device)
+        if self.shard_dim != 0:  # Note [Shard dim]: even, no padding
+            torch.cat(rows.view(rows.size(0), *self.local_shape).unbind(0), self.shard_dim, out=out)
+            return out
+        dim0, row_numel = self.orig_size[0], math.prod(self.orig_size[1:])
         if dim0 == 0:
             return out
         out_rows = out.view(dim0, row_numel)  # (dim0, row_numel)
@@ -459,6 +494,42 @@ class ShardedParam:
             out_rows[whole_ranks * self.shard_rows :].copy_(blocks[whole_ranks, :rest])
         return out
 
+    # Note [Shard dim]: the copies between the rank-major layout of the flat collectives and the
+    # whole parameter. For shard dim 0 they are no copies at all: the padded unsharded buffer is
+    # rank-major already.
+
+    def gather_target(self) -> torch.Tensor:
+        """Where the all-gather's copy-out puts this parameter's N shards: the padded unsharded
+        buffer itself for shard dim 0, else a temporary that ``copy_out_gathered`` concatenates."""
+        if self.shard_dim == 0:
+            return self.unsharded_flat
+        return self.unsharded_flat.new_empty(self.padded_numel)
+
+    def copy_out_gathered(self, target: torch.Tensor) -> None:
+        """The N shards in ``target`` (from ``gather_target``) as the whole unsharded param."""
+        if target is self.unsharded_flat:
+            return
+        chunks = target.view(self.world_size, *self.local_shape).unbind(0)
+        torch.cat(chunks, self.shard_dim, out=self.unsharded_flat.view(self.orig_size))
+
+    def gathered_rows(self, ranks: slice) -> torch.Tensor:
+        """The shards of ``ranks`` from the unsharded buffer, (len(ranks), shard_numel)."""
+        if self.shard_dim == 0:
+            return self.unsharded_flat.view(self.world_size, -1)[ranks]
+        chunks = self.unsharded_flat.view(self.orig_size).chunk(self.world_size, self.shard_dim)
+        return torch.stack(chunks[ranks]).view(-1, self.shard_numel)
+
+    def rank_major_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` laid out as the reduce-scatter's copy-in cuts it (on dim 0): for another
+        shard dim, its N chunks of that dim stacked on dim 0, as torch FSDP2 does."""
+        if self.shard_dim == 0:
+            return grad
+        return torch.cat(torch.chunk(grad, self.world_size, dim=self.shard_dim), dim=0)
+
     def writeback(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of a full-shape tensor into the shard (after summon_full_params)."""
-        self.sharded_flat[: self.local_numel].copy_(self.rows_of(full.detach().reshape(-1)))
+        self.sharded_flat[: self.local_numel].copy_(self._block(full.detach()).reshape(-1))
+
+
+def _with_size(shape: torch.Size, dim: int, size: int) -> torch.Size:
+    return torch.Size((*shape[:dim], size, *shape[dim + 1 :]))

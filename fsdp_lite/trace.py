@@ -351,6 +351,8 @@ def explain(model: nn.Module) -> str:
                 f"  {p.fqn:<28} {shape:>12}  rows {p.local_rows:>4}/{p.shard_rows:<4} "
                 f"shard_numel {p.shard_numel:>7}  padding {p.padded_numel - p.numel}"
             )
+            if p.shard_dim:  # param.py Note [Shard dim]: the rows above are of this dim
+                line += f"  on dim {p.shard_dim}"
             if p.tp is not None:  # the shape above is the TP-local one
                 box = ", ".join(f"{a}:{b}" for a, b in p.global_box())
                 layout = ", ".join(map(repr, p.tp.sharded_placements))

@@ -366,12 +366,12 @@ class ShardedUnit:
                 stack.enter_context(
                     torch.autograd._unsafe_preserve_version_counter(p.unsharded_param)
                 )
+            targets = [p.gather_target() for p in self.params]  # param.py Note [Shard dim]
             collectives.all_gather_copy_out(
-                result.all_gather_output,
-                self.world_size,
-                self.shard_numels,
-                [p.unsharded_flat for p in self.params],
+                result.all_gather_output, self.world_size, self.shard_numels, targets
             )
+            for p, target in zip(self.params, targets):
+                p.copy_out_gathered(target)
 
     def _cast_copy(self) -> None:
         """NO_SHARD under mixed precision: the unsharded copy is a local cast, no collective."""
@@ -417,8 +417,7 @@ class ShardedUnit:
     def _keep_post_forward_rows(self) -> None:
         with torch.no_grad():
             blocks = [
-                p.unsharded_flat.view(self.world_size, -1)[self._post_forward_block]
-                for p in self.params
+                p.gathered_rows(self._post_forward_block) for p in self.params
             ]  # each (N/k, shard_numel): those ranks' shards of one param
             self._post_forward_rows = torch.cat(blocks, dim=1).reshape(-1)
 
@@ -496,7 +495,9 @@ class ShardedUnit:
             numel = sum(p.shard_numel for p in self.trainable) + len(self.trainable)
             # The copy-in casts to reduce_dtype; dividing after the cast is what torch FSDP does.
             reduce_scatter_input = filled[0].new_empty(self.world_size * numel, dtype=reduce_dtype)
-            collectives.reduce_scatter_copy_in(filled, self.world_size, reduce_scatter_input)
+            rank_major = [p.rank_major_grad(g) for p, g in zip(self.trainable, filled)]
+            rank_major.append(filled[-1])  # the had-grad row
+            collectives.reduce_scatter_copy_in(rank_major, self.world_size, reduce_scatter_input)
             reduce_scatter_input.div_(pre)
             kind = "reduce_scatter"
             stalled = self._record(kind, "backward", reduce_scatter_input)

@@ -137,6 +137,22 @@ def run_ranks(
             conn.close()
 
 
+def run_checks(checks: dict, names: list[str], *args) -> dict[str, str]:
+    """Inside a rank: run ``checks[name](*args)`` for each name, one failing not hiding the
+    others (a barrier after each keeps the ranks together); the tracebacks of those that failed,
+    by name."""
+    import torch.distributed as dist
+
+    failures = {}
+    for name in names:
+        try:
+            checks[name](*args)
+        except Exception:  # noqa: BLE001 - every check reports
+            failures[name] = traceback.format_exc()
+        dist.barrier()
+    return failures
+
+
 def _raise_timeout(procs: list, running: list[int], world_size: int, timeout: float) -> None:
     for rank in running:
         if procs[rank].is_alive():

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from fsdp_lite import (
     CPUOffload,
@@ -279,8 +279,14 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "fully_shard_not_a_module": lambda c: fully_shard("blocks"),
     "fully_shard_twice": _fully_shard_twice,
     "reshard_after_forward_int": lambda c: fully_shard(nn.Linear(4, 4), reshard_after_forward=3),
-    "shard_placement_dim_1": lambda c: fully_shard(
+    "shard_placement_out_of_range": lambda c: fully_shard(
         nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)
+    ),
+    "shard_placement_not_a_shard": lambda c: fully_shard(
+        nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()
+    ),
+    "shard_placement_uneven": lambda c: fully_shard(
+        nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None
     ),
     "mesh_3d": lambda c: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 2, 1))),
     "prefetch_a_plain_module": _prefetch_a_plain_module,

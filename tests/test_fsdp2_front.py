@@ -12,14 +12,13 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp_lite
 from conformance.models import TinyLM
 from tests.parity import build_model, loss_fn, rank_batch
-from tests.ranks import run_ranks
+from tests.ranks import run_checks, run_ranks
 
 APIS = {"torch": torch_fsdp, "fsdp_lite": fsdp_lite}
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -166,22 +165,27 @@ def _check_list_group(rank, world_size):
     assert isinstance(model.head, fsdp_lite.FSDPModule)
 
 
-def _check_meta_init(rank, world_size):
+def sharded_on_meta(api, rank, **kw):
     """Build on meta, shard, then to_empty and initialize the shards, as torchtitan does."""
-    runs = {}
-    for name, api in APIS.items():
-        with torch.device("meta"):
-            model = build_model("lm_untied")
-        _sharded(api, model=model)
-        model.to_empty(device="cpu")
-        torch.manual_seed(1234 + rank)
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        with torch.no_grad():
-            model.pos.normal_(std=0.02)
-        assert all(not p.is_meta for p in model.parameters()), name
-        runs[name] = _train(model, rank, world_size, steps=2)
+    with torch.device("meta"):
+        model = build_model("lm_untied")
+    _sharded(api, model=model, **kw)
+    model.to_empty(device="cpu")
+    torch.manual_seed(1234 + rank)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    with torch.no_grad():
+        model.pos.normal_(std=0.02)
+    assert all(not p.is_meta for p in model.parameters()), api.__name__
+    return model
+
+
+def _check_meta_init(rank, world_size):
+    runs = {
+        name: _train(sharded_on_meta(api, rank), rank, world_size, steps=2)
+        for name, api in APIS.items()
+    }
     _assert_same(runs["fsdp_lite"], runs["torch"], "meta init")
 
 
@@ -311,16 +315,7 @@ CHECKS = {
 
 
 def _checks_rank(rank, world_size, names):
-    import traceback
-
-    failures = {}
-    for name in names:
-        try:
-            CHECKS[name](rank, world_size)
-        except Exception:  # noqa: BLE001 - every check reports, one failing does not hide others
-            failures[name] = traceback.format_exc()
-        dist.barrier()
-    return failures
+    return run_checks(CHECKS, names, rank, world_size)
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,29 @@ from tests.ranks import run_ranks
 STEPS = 3
 
 
-def _shard(model: torch.nn.Module, mesh, fully_shard) -> torch.nn.Module:
+def _shard(model: torch.nn.Module, mesh, fully_shard, **kw) -> torch.nn.Module:
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
+
+
+def _dim_1(param: torch.nn.Parameter) -> Shard | None:
+    """Every matrix on its dim 1 (param.py Note [Shard dim]): where a rowwise weight's TP cut
+    is too, so the dp placement there is _StridedShard(1)."""
+    return Shard(1) if param.ndim == 2 else None
+
+
+# (name, fully_shard, its shard_placement_fn)
+def _systems():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    return (
+        ("ours", fsdp_lite.fully_shard, None),
+        ("torch", torch_fully_shard, None),
+        ("ours_dim_1", fsdp_lite.fully_shard, _dim_1),
+        ("torch_dim_1", torch_fully_shard, _dim_1),
+    )
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -60,8 +78,6 @@ def _full(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _tp_rank(rank: int, world_size: int, checkpoint: str) -> dict:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     reference = build_tplm()
@@ -71,12 +87,17 @@ def _tp_rank(rank: int, world_size: int, checkpoint: str) -> dict:
         _step(reference, ref_optim, step, 0, 1)
         ref_after.append([p.detach().clone() for p in reference.parameters()])
     results = {}
-    for name, fully_shard in (("ours", fsdp_lite.fully_shard), ("torch", torch_fully_shard)):
-        model = _shard(parallelize(build_tplm(), mesh["tp"]), mesh["dp"], fully_shard)
-        if name == "ours":  # explain()'s boxes: where each rank's shard sits in the whole
+    for name, fully_shard, placement_fn in _systems():
+        model = _shard(
+            parallelize(build_tplm(), mesh["tp"]),
+            mesh["dp"],
+            fully_shard,
+            shard_placement_fn=placement_fn,
+        )
+        if name.startswith("ours"):  # explain()'s boxes: where each rank's shard sits in the whole
             whole = dict(build_tplm().named_parameters())
             names = {id(param): name for name, param in model.named_parameters()}
-            results["boxes_hold_the_shards"] = all(
+            results[f"boxes_hold_the_shards {name}"] = all(
                 torch.equal(
                     p.sharded_param.to_local(),
                     whole[names[id(p.sharded_param)]][
@@ -152,27 +173,36 @@ def tp_runs(tmp_path_factory):
     return run_ranks(_tp_rank, 4, tmp, timeout=300, args=(str(tmp / "checkpoint"),))
 
 
-def test_dp2_tp2_trains_to_the_single_process_model_and_to_torch_fsdp2(tp_runs):
+@pytest.mark.parametrize("ours", ["ours", "ours_dim_1"])
+def test_dp2_tp2_trains_to_the_single_process_model_and_to_torch_fsdp2(tp_runs, ours):
+    theirs = ours.replace("ours", "torch")
     for rank, r in enumerate(tp_runs):
-        assert r["ours"]["diff"] <= 1e-6, f"rank {rank}: off the reference by {r['ours']['diff']}"
-        assert r["torch"]["diff"] <= 1e-6, f"rank {rank}: torch off by {r['torch']['diff']}"
+        assert r[ours]["diff"] <= 1e-6, f"rank {rank}: off the reference by {r[ours]['diff']}"
+        assert r[theirs]["diff"] <= 1e-6, f"rank {rank}: torch off by {r[theirs]['diff']}"
         # The same sums in the same order as torch FSDP2 + TP: bitwise.
-        for i, (a, b) in enumerate(zip(r["ours"]["full"], r["torch"]["full"])):
+        for i, (a, b) in enumerate(zip(r[ours]["full"], r[theirs]["full"])):
             assert torch.equal(torch.tensor(a), torch.tensor(b)), f"rank {rank} param {i}"
 
 
 def test_parameters_are_laid_out_as_torch_fsdp2_lays_them(tp_runs):
     for rank, r in enumerate(tp_runs):
         assert r["ours"]["layouts"] == r["torch"]["layouts"], f"rank {rank}"
+        assert r["ours_dim_1"]["layouts"] == r["torch_dim_1"]["layouts"], f"rank {rank}"
     placements = {name: pl for name, pl, _ in tp_runs[0]["ours"]["layouts"]}
     # A colwise weight: dp shards the rows of TP's row shard, so dp's shard is strided.
     assert placements["blocks.0.attn.wq.weight"] == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
     assert placements["blocks.0.attn.wo.weight"] == ("Shard(dim=0)", "Shard(dim=1)")
     assert placements["blocks.0.attn_norm.weight"] == ("Shard(dim=0)", "Replicate()")
+    # Every matrix on dim 1: now a rowwise weight's dp shard is the strided one.
+    placements = {name: pl for name, pl, _ in tp_runs[0]["ours_dim_1"]["layouts"]}
+    assert placements["blocks.0.attn.wq.weight"] == ("Shard(dim=1)", "Shard(dim=0)")
+    assert placements["blocks.0.attn.wo.weight"] == ("_StridedShard(dim=1, sf=2)", "Shard(dim=1)")
+    assert placements["blocks.0.attn_norm.weight"] == ("Shard(dim=0)", "Replicate()")
 
 
-def test_explain_boxes_locate_every_shard_in_the_whole_tensor(tp_runs):
-    assert all(r["boxes_hold_the_shards"] for r in tp_runs)
+@pytest.mark.parametrize("ours", ["ours", "ours_dim_1"])
+def test_explain_boxes_locate_every_shard_in_the_whole_tensor(tp_runs, ours):
+    assert all(r[f"boxes_hold_the_shards {ours}"] for r in tp_runs)
 
 
 def test_meta_init_then_full_state_dict_trains_bitwise_as_a_built_model(tp_runs):
@@ -201,7 +231,7 @@ def _bad_mesh_rank(rank: int, world_size: int, case: str) -> str:
             mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "shard", "tp"))
             model = parallelize(build_tplm(), mesh3["tp"])
             fsdp_lite.fully_shard(model.blocks[0], mesh=mesh3["rep", "shard"])
-        elif case == "shard_dim":  # fsdp_lite's dp shards dim 0, whatever TP does with it
+        elif case == "shard_dim_out_of_range":  # dim 1 of a 1-D norm weight
             fsdp_lite.fully_shard(
                 model.blocks[0], mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1)
             )
@@ -218,8 +248,8 @@ BAD_MESHES = {
     "other_mesh": "ValueError: parameter 'attn_norm.weight': its tensor-parallel mesh and the "
     "sharding mesh are not dims of one DeviceMesh",
     "hsdp": "NotImplementedError: parameter 'attn_norm.weight': tensor parallel with HSDP",
-    "shard_dim": "NotImplementedError: shard_placement_fn gave 'attn_norm.weight' Shard(dim=1); "
-    "only Shard(0) is built",
+    "shard_dim_out_of_range": "ValueError: shard_placement_fn gave 'attn_norm.weight' "
+    "Shard(dim=1), but it is a 1-D parameter of shape (24,)",
     "fsdp1": "NotImplementedError: parameter 'tok.weight' is a DTensor (tensor parallel); "
     "FullyShardedDataParallel does not shard DTensors: use fully_shard(module, mesh=mesh['dp'])",
 }
