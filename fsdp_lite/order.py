@@ -10,12 +10,27 @@ Note [Collective order]: each process logs the collectives its units issue on ea
 after ``STALL_SECONDS`` publishes this rank's recent log to the default store, reads what its
 peers published, and compares: the first position where two ranks' logs differ, or ranks stalled
 waiting on different positions, is a divergence, and the waiting rank raises
-``CollectiveOrderError`` naming the units, the phase, the step and the ranks on each side. Every
-stalled rank does the same, so all raise, seconds after the divergence instead of at the
-timeout. A slow peer is no divergence: the logs agree, and the wait goes on. Cost: a wait that is
-not done at once hands the blocking ``Work.wait()`` to a helper thread and sleeps on an event
-(CPU tensors only: an accelerator's ``wait`` queues on a stream and must not block the host); a
-store round trip per stalled second.
+``CollectiveOrderError`` naming the units, the phase, the step and the ranks on each side. A
+slow peer is no divergence: the logs agree, and the wait goes on.
+
+Note [Watched and direct waits]: comparing while a wait blocks needs the wait in a helper thread
+(gloo's point-to-point ``wait`` cannot time out without closing the connection), and that
+hand-off costs 1% to 3% of a step on a busy CPU. So only collectives at positions this rank has
+not been to are *watched*: each step's sequence is remembered as the hashes of its prefixes, and
+a collective whose prefix (this step's collectives so far, this one included) was not in one of
+the last ``SCHEDULES`` completed steps is waited on through the helper. Every other wait is
+*direct*, in the calling thread, while a watchdog thread publishes the log of any direct wait
+stalled for ``STALL_SECONDS``, so that watching peers can compare against it. Why that finds
+divergences: if every rank repeats a sequence that it completed before, and the ranks' choices
+agree (they did last time), the collectives pair as they did. A rank that does something new (a
+unit skipped by data-dependent control flow, ``state_dict()`` on one rank only, the first
+steps) watches: it finds the divergence against its peers' published logs, raises and exits,
+and the direct waits of its peers then fail on the closed connection and name the divergence
+from its log. Not caught within seconds, only when the process group's timeout fails the waits
+(then named the same way): ranks that each repeat a sequence they completed before, but
+different ones (two kinds of step, chosen differently across ranks). Accelerator waits are always
+direct and not watched: an accelerator's ``wait`` queues on a stream and must not block the
+host.
 Where a gather or reduce-scatter goes by sends (gloo, CPU), each unit's messages carry a tag of
 their own (``collectives.p2p_tag``), so two ranks on different units stall at once instead of
 pairing: same-size units would exchange the wrong rows, different sizes abort the process in
@@ -44,6 +59,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveOrderError",
     "OrderLog",
+    "Stall",
     "log_for",
     "wait",
 ]
@@ -51,6 +67,7 @@ __all__ = [
 STALL_SECONDS = 1.0  # a wait this long compares the ranks' logs, and again each second after
 LINGER_SECONDS = 3.0  # how long a rank that found a divergence waits for its peers to find it
 KEEP = 512  # entries each log keeps and publishes: more than a few steps of a large model
+SCHEDULES = 4  # completed steps' sequences remembered (Note [Watched and direct waits])
 _VERBS = {
     "all_gather": "all-gathered",
     "reduce_scatter": "reduce-scattered",
@@ -87,6 +104,32 @@ class Issued:
         )
 
 
+class Stall:
+    """What a wait on one logged collective calls while it stalls (``wait``); ``watch``: wait
+    through the helper thread (Note [Watched and direct waits])."""
+
+    __slots__ = ("log", "published", "seq", "watch")
+
+    def __init__(self, log: OrderLog, seq: int, watch: bool) -> None:
+        self.log, self.seq, self.watch = log, seq, watch
+        self.published = False
+
+    def __call__(self) -> None:
+        """Compare with the peers' logs; raises ``CollectiveOrderError`` on a divergence."""
+        self.published = True
+        self.log.stalled(self.seq, watching=self.watch)
+
+    def publish(self) -> None:
+        """Publish this rank's log for the peers to compare (a direct wait's watchdog)."""
+        self.published = True
+        self.log.publish(self.seq, watching=False)
+
+    def done(self) -> None:
+        """The wait returned: a published log no longer says what this rank waits on."""
+        if self.published:
+            self.log.withdraw()
+
+
 class OrderLog:
     """The collectives this process issued on one group, in issue order (the last ``KEEP``)."""
 
@@ -94,27 +137,72 @@ class OrderLog:
         self.ranks = ranks  # the group's global ranks
         self.count = 0
         self.entries: collections.deque[Issued] = collections.deque(maxlen=KEEP)
+        # Note [Watched and direct waits]: this step's prefix hashes, and completed steps'.
+        self._step: int | None = None
+        self._prefix = 0
+        self._this_step: list[int] = []
+        self._schedules: collections.OrderedDict[int, frozenset[int]] = collections.OrderedDict()
 
-    def issued(self, step: int, kind: str, unit: str, phase: str, numel: int) -> int:
-        """Log one collective; returns its position (what a wait on it passes to ``stalled``)."""
+    def issued(self, step: int, kind: str, unit: str, phase: str, numel: int) -> Stall:
+        """Log one collective; returns what a wait on it calls while it stalls."""
+        if step != self._step:
+            self._complete_step()
+            self._step = step
+        self._prefix = hash((self._prefix, kind, unit, phase, numel))
+        self._this_step.append(self._prefix)
+        watch = not any(self._prefix in seen for seen in self._schedules.values())
         self.entries.append(Issued(self.count, step, kind, unit, phase, numel))
         self.count += 1
-        return self.count - 1
+        return Stall(self, self.count - 1, watch)
 
-    def stalled(self, waiting_on: int) -> None:
-        """A wait on position ``waiting_on`` is taking long: compare with the peers' logs.
+    def _complete_step(self) -> None:
+        """The step before this one is over, every wait of it returned: remember its sequence."""
+        if self._this_step:
+            self._schedules[self._prefix] = frozenset(self._this_step)
+            self._schedules.move_to_end(self._prefix)
+            while len(self._schedules) > SCHEDULES:
+                self._schedules.popitem(last=False)
+        self._prefix, self._this_step = 0, []
+
+    def publish(self, waiting_on: int, watching: bool) -> tuple[dist.Store, dict] | None:
+        """Put this rank's log, and what it waits on, in the default store: (the store, what
+        was put), or None where there is no store (or it went with a dead rank)."""
+        store = _default_store()
+        if store is None:
+            return None
+        mine = {
+            "waiting_on": waiting_on,
+            "watching": watching,
+            "entries": [asdict(e) for e in self.entries],
+        }
+        try:
+            store.set(self._key(dist.get_rank()), json.dumps(mine))
+        except RuntimeError:
+            return None
+        return store, mine
+
+    def withdraw(self) -> None:
+        store = _default_store()
+        try:
+            if store is not None:
+                store.delete_key(self._key(dist.get_rank()))
+        except RuntimeError:
+            pass
+
+    def stalled(self, waiting_on: int, watching: bool = True) -> None:
+        """A wait on position ``waiting_on`` is taking long, or failed: publish this rank's log
+        and compare it with the peers' logs.
 
         Raises:
             CollectiveOrderError: the ranks' logs show they diverged.
         """
-        store = _default_store()
-        if store is None:
+        published = self.publish(waiting_on, watching)
+        if published is None:
             return
+        store, mine = published
         me = dist.get_rank()
-        mine = {"waiting_on": waiting_on, "entries": [asdict(e) for e in self.entries]}
         logs = {me: mine}
         try:
-            store.set(self._key(me), json.dumps(mine))
             for rank in self.ranks:
                 if rank != me and store.check([self._key(rank)]):
                     logs[rank] = json.loads(store.get(self._key(rank)))
@@ -122,16 +210,18 @@ class OrderLog:
             return
         message = diverged(self.ranks, logs)
         if message is not None:
-            self._linger(store, me)
+            # Peers in a direct wait cannot look until this rank's exit fails their wait.
+            watching = [r for r, log in logs.items() if r != me and log.get("watching", True)]
+            self._linger(store, me, watching)
             raise CollectiveOrderError(message)
 
-    def _linger(self, store: dist.Store, me: int) -> None:
-        """Before raising (and likely exiting, which may take the store along), give the peers
-        up to ``LINGER_SECONDS`` to read this rank's log and find the divergence themselves."""
+    def _linger(self, store: dist.Store, me: int, peers: list[int]) -> None:
+        """Before raising (and likely exiting, which may take the store along), give watching
+        ``peers`` up to ``LINGER_SECONDS`` to read this rank's log and find the divergence."""
         try:
             store.set(self._key(me, "found"), "1")
             deadline = time.monotonic() + LINGER_SECONDS
-            others = [self._key(r, "found") for r in self.ranks if r != me]
+            others = [self._key(r, "found") for r in peers]
             while time.monotonic() < deadline and not all(store.check([k]) for k in others):
                 time.sleep(0.05)
         except RuntimeError:
@@ -210,20 +300,65 @@ def log_for(group: dist.ProcessGroup) -> OrderLog:
 
 def wait(works: Sequence[dist.Work], on_stall: Callable[[], None]) -> None:
     """``work.wait()`` each of ``works``, calling ``on_stall()`` each ``STALL_SECONDS`` they are
-    not done. A failed work's error is raised here, after one more ``on_stall()``: a peer that
-    found the ranks diverged publishes its log, raises and exits, and the connection it closes
-    fails this wait; the check then names the divergence here too."""
+    not done (a watched ``Stall``, or any other callable), or waiting directly while the
+    watchdog publishes the log (a ``Stall`` not watched; Note [Watched and direct waits]). A
+    failed work's error is raised here, after one more ``on_stall()``: a peer that found the
+    ranks diverged publishes its log, raises and exits, and the connection it closes fails this
+    wait; the check then names the divergence here too."""
+    stall = on_stall if isinstance(on_stall, Stall) else None
     try:
         if all(work.is_completed() for work in works):
-            for work in works:
-                work.wait()
-            return
-        _WAITER.wait(works, on_stall)
+            _wait_each(works)
+        elif stall is not None and not stall.watch:
+            _WATCHDOG.wait(works, stall)
+        else:
+            _WAITER.wait(works, on_stall)
     except CollectiveOrderError:
         raise
     except RuntimeError:
         on_stall()  # raises CollectiveOrderError (chained to the failure) if the ranks diverged
         raise
+    if stall is not None:
+        stall.done()
+
+
+class _Watchdog:
+    """A daemon thread that publishes the log of a direct wait stalled for ``STALL_SECONDS``
+    (Note [Watched and direct waits]); the calling thread blocks in ``Work.wait()`` itself."""
+
+    def __init__(self) -> None:
+        self._current: tuple[Stall, float] | None = None
+        self._lock = threading.Lock()  # a wait does not end while its log is being published
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def wait(self, works: Sequence[dist.Work], stall: Stall) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=self._run, name="fsdp_lite-watchdog", daemon=True
+            )
+            self._thread.start()
+        self._current = (stall, time.monotonic())
+        try:
+            _wait_each(works)
+        finally:
+            with self._lock:
+                self._current = None
+
+    def stop(self) -> None:
+        """End the thread (at interpreter exit, as the waiter's)."""
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=STALL_SECONDS + 1.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(STALL_SECONDS / 2):
+            with self._lock:
+                current = self._current
+                if current is None or time.monotonic() - current[1] < STALL_SECONDS:
+                    continue
+                if not current[0].published:  # once per wait: a stalled rank's log is fixed
+                    current[0].publish()
 
 
 class _Waiter:
@@ -275,4 +410,6 @@ def _wait_each(works: Sequence[dist.Work]) -> None:
 
 
 _WAITER = _Waiter()
+_WATCHDOG = _Watchdog()
 atexit.register(_WAITER.stop)
+atexit.register(_WATCHDOG.stop)

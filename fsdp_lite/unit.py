@@ -24,7 +24,6 @@ loaded state dict, a manual edit under no_grad) is picked up the same way, with 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -640,9 +639,7 @@ class ShardedUnit:
             return None
         log = self._order_logs[group or self.group]
         step = getattr(self.runtime, "step", 1)
-        return functools.partial(
-            log.stalled, log.issued(step, kind, self.name, phase, tensor.numel())
-        )
+        return log.issued(step, kind, self.name, phase, tensor.numel())
 
     def _record_done(self, kind: str) -> None:
         if self.trace is not None:  # this rank's wait returned; see Note [Trace times and memory]

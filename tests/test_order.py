@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fsdp_lite
-from fsdp_lite.order import CollectiveOrderError, Issued, diverged
+from fsdp_lite.order import SCHEDULES, CollectiveOrderError, Issued, OrderLog, diverged
 from tests.parity import build_model, loss_fn, rank_batch
 from tests.ranks import run_ranks
 
@@ -30,7 +30,9 @@ def _skipping_forward(model, skip: bool):
     return forward
 
 
-def _diverging_rank(rank: int, world_size: int, front: str, slow_only: bool) -> dict:
+def _diverging_rank(
+    rank: int, world_size: int, front: str, slow_only: bool, late_step: int = 2
+) -> dict:
     model = build_model("lm_untied")
     if front == "fully_shard":
         for block in model.blocks:
@@ -43,11 +45,20 @@ def _diverging_rank(rank: int, world_size: int, front: str, slow_only: bool) -> 
         )
         inner = model.module
     optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    watched = []  # (step, watched?) per collective: Note [Watched and direct waits]
+    issued = OrderLog.issued
+
+    def logging_issued(log, step, *args):
+        stall = issued(log, step, *args)
+        watched.append((step, stall.watch))
+        return stall
+
+    OrderLog.issued = logging_issued
     start = time.monotonic()
     try:
-        for step in (1, 2, 3):
+        for step in range(1, late_step + 2):
             x, y = rank_batch("lm", step, rank, world_size)
-            late = rank == 1 and step == 2
+            late = rank == 1 and step == late_step
             if late and slow_only:
                 time.sleep(2.5)  # a slow rank, not a divergent one: no error
             if late and not slow_only:
@@ -57,25 +68,62 @@ def _diverging_rank(rank: int, world_size: int, front: str, slow_only: bool) -> 
             optim.step()
             optim.zero_grad()
     except CollectiveOrderError as e:
-        return {"error": str(e), "seconds": time.monotonic() - start}
-    return {"error": None, "seconds": time.monotonic() - start}
+        return {"error": str(e), "seconds": time.monotonic() - start, "watched": watched}
+    finally:
+        OrderLog.issued = issued
+    return {"error": None, "seconds": time.monotonic() - start, "watched": watched}
 
 
+# Step 2: the first steps are watched on every rank. Step 4: rank 0 repeats a sequence it
+# completed and waits directly; rank 1, skipping a block, runs a new one and watches, finds the
+# divergence against the log rank 0's watchdog published, and exits; rank 0's wait then fails and
+# names it from rank 1's log (Note [Watched and direct waits]).
+@pytest.mark.parametrize("late_step", [2, 4])
 @pytest.mark.parametrize("front", ["fully_shard", "FullyShardedDataParallel"])
-def test_a_unit_skipped_on_one_rank_is_named_on_every_rank_within_seconds(tmp_path, front):
-    results = run_ranks(_diverging_rank, 2, tmp_path, args=(front, False), timeout=30)
+def test_a_unit_skipped_on_one_rank_is_named_on_every_rank_within_seconds(
+    tmp_path, front, late_step
+):
+    results = run_ranks(_diverging_rank, 2, tmp_path, args=(front, False, late_step), timeout=30)
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank} saw no order error"
         assert r["seconds"] < 10, f"rank {rank} took {r['seconds']:.1f} s"
         assert r["error"].startswith("fsdp_lite: ranks diverged at collective"), r["error"]
-        assert "rank 0 all-gathered unit 'blocks.1' in backward of step 2" in r["error"], r["error"]
-        assert "rank 1 all-gathered unit 'blocks.0' in backward of step 2" in r["error"], r["error"]
+        for who, unit in ((0, "blocks.1"), (1, "blocks.0")):
+            expected = f"rank {who} all-gathered unit '{unit}' in backward of step {late_step}"
+            assert expected in r["error"], r["error"]
     assert results[0]["error"] == results[1]["error"]
+    if late_step == 4:
+        for rank, r in enumerate(results):
+            late = [watch for step, watch in r["watched"] if step == late_step]
+            assert not any(watch for step, watch in r["watched"] if 2 < step < late_step), rank
+            assert any(late) == (rank == 1), f"rank {rank} watched {late}"
 
 
-def test_a_slow_rank_is_not_a_divergence(tmp_path):
-    results = run_ranks(_diverging_rank, 2, tmp_path, args=("fully_shard", True), timeout=60)
+@pytest.mark.parametrize("late_step", [2, 4])
+def test_a_slow_rank_is_not_a_divergence(tmp_path, late_step):
+    results = run_ranks(
+        _diverging_rank, 2, tmp_path, args=("fully_shard", True, late_step), timeout=60
+    )
     assert [r["error"] for r in results] == [None, None]
+
+
+def test_only_collectives_at_new_positions_are_watched():
+    log = OrderLog((0, 1))
+    step_of = [("all_gather", "a", "forward"), ("all_gather", "b", "forward")]
+
+    def run(step, entries):
+        return [log.issued(step, kind, unit, phase, 8).watch for kind, unit, phase in entries]
+
+    assert run(1, step_of) == [True, True], "nothing completed yet"
+    assert run(2, step_of) == [False, False], "step 1's sequence again"
+    skipping = [step_of[1], step_of[0]]
+    assert run(3, skipping) == [True, True], "a new sequence from its first collective"
+    assert run(4, step_of) == [False, False]
+    assert run(5, skipping) == [False, False], "step 3's sequence, completed, is remembered"
+    assert run(6, step_of[:1]) == [False], "a prefix of one remembered"
+    for step in range(7, 7 + SCHEDULES):  # as many new sequences as are remembered
+        run(step, [("all_gather", f"new{step}", "forward")])
+    assert run(20, skipping) == [True, True], "forgotten after SCHEDULES newer sequences"
 
 
 def _log(*entries: tuple, waiting_on: int) -> dict:
