@@ -216,7 +216,12 @@ def test_dcp_checkpoint_from_dp2_tp2_loads_at_dp4_and_into_a_plain_module(tp_run
         assert r["dp4_next_step_diff"] <= 1e-6, f"rank {rank}: {r['dp4_next_step_diff']}"
 
 
-def _bad_mesh_rank(rank: int, world_size: int, case: str) -> str:
+def _bad_mesh_rank(rank: int, world_size: int) -> dict[str, str]:
+    """Every case in one launch (each fails on every rank alike, so the next starts in step)."""
+    return {case: _bad_mesh(case) for case in BAD_MESHES}
+
+
+def _bad_mesh(case: str) -> str:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize(build_tplm(), mesh["tp"])
     try:
@@ -255,9 +260,12 @@ BAD_MESHES = {
 }
 
 
+@pytest.fixture(scope="module")
+def bad_mesh_messages(tmp_path_factory):
+    return run_ranks(_bad_mesh_rank, 4, tmp_path_factory.mktemp("bad_meshes"), timeout=120)
+
+
 @pytest.mark.parametrize("case", list(BAD_MESHES))
-def test_bad_meshes_fail_before_any_collective(case, tmp_path):
-    for rank, message in enumerate(
-        run_ranks(_bad_mesh_rank, 4, tmp_path, timeout=60, args=(case,))
-    ):
-        assert message.startswith(BAD_MESHES[case]), f"rank {rank}: {message}"
+def test_bad_meshes_fail_before_any_collective(case, bad_mesh_messages):
+    for rank, messages in enumerate(bad_mesh_messages):
+        assert messages[case].startswith(BAD_MESHES[case]), f"rank {rank}: {messages[case]}"
