@@ -21,10 +21,13 @@ TINY += ["--batch", "2", "--steps", "2", "--rounds", "1", "--warmup", "1", "--pr
 SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD", "fsdp_lite/FULL_SHARD/collectives"]
 
 
-# A rank has died, rarely, after its last collective and destroy_process_group, in the C++
-# teardown at interpreter exit: "terminate called without an active exception", with no Python
-# frame (1 of 12 runs of this bench here; torch's own FSDP2 script did the same once, without
-# fsdp_lite imported). Open, not understood: such a run is repeated once, with a warning.
+# A rank has died, rarely, at interpreter exit: "terminate called without an active exception"
+# (1 of 12 runs of this bench here; torch's own scripts too, without fsdp_lite imported). A core
+# of it (torch's FSDP1 script, 1 of 40 runs; benchmarks/results/exit_abort_core_2026-12-02.txt)
+# shows torch's bug, pytorch/pytorch#190489: a gloo worker thread (ProcessGroupGloo::runLoop)
+# destroys a finished barrier/all-reduce work whose tensor has a Python object; the decref takes
+# the GIL while Py_FinalizeEx runs, CPython ends the thread (PyThread_exit_thread), and the
+# forced unwind through the noexcept destructor calls std::terminate. Not fsdp_lite's to fix: such a run is repeated once, with a warning.
 _EXIT_ABORT = "terminate called without an active exception"
 
 
