@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -402,21 +402,27 @@ def _move_to_device(module: nn.Module, config: UnitConfig) -> None:
         module.to(config.device)
 
 
+def params_to_shard(module: nn.Module, config: UnitConfig) -> Iterator[tuple[str, nn.Parameter]]:
+    """(clean name, parameter) for each parameter the unit built from ``module`` will shard: not
+    a nested unit's, not ignored; for checks before any collective."""
+    nested = {id(p.sharded_param) for m in module.modules() if owns_unit(m) for p in m._unit.params}
+    for name, param in module.named_parameters():
+        if id(param) not in nested and param not in config.ignored_params:
+            yield clean_name(name), param
+
+
 def check_tensor_parallel_params(module: nn.Module, config: UnitConfig, front: str) -> None:
     """Raise, before any collective, for DTensor parameters this unit cannot take: any under
     the FSDP1 front; under ``fully_shard``, a layout ``param.TensorParallel.check`` refuses."""
-    nested = {id(p.sharded_param) for m in module.modules() if owns_unit(m) for p in m._unit.params}
-    for name, param in module.named_parameters():
-        if not isinstance(param, DTensor) or id(param) in nested:
-            continue
-        if param in config.ignored_params:
+    for name, param in params_to_shard(module, config):
+        if not isinstance(param, DTensor):
             continue
         if front != "fully_shard":
             raise NotImplementedError(
-                f"parameter {clean_name(name)!r} is a DTensor (tensor parallel); {front} does "
+                f"parameter {name!r} is a DTensor (tensor parallel); {front} does "
                 "not shard DTensors: use fully_shard(module, mesh=mesh['dp'])"
             )
-        TensorParallel.check(param, clean_name(name), config.mesh)
+        TensorParallel.check(param, name, config.mesh)
 
 
 def _check_same_model_across_ranks(module: nn.Module, config: UnitConfig) -> None:

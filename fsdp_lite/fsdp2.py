@@ -31,10 +31,10 @@ from fsdp_lite.construct import (
     _check_same_model_across_ranks,
     _move_to_device,
     check_tensor_parallel_params,
+    params_to_shard,
 )
 from fsdp_lite.interop import TorchFSDPModule, register_state
 from fsdp_lite.mixed_precision import Precision, cast_floating
-from fsdp_lite.names import clean_name
 from fsdp_lite.runtime import (
     eager,
     lazy_init,
@@ -207,16 +207,12 @@ def _shard_dims(
     (param.py Note [Shard dim]); checked here, before any collective, by torch FSDP2's rules."""
     if shard_placement_fn is None:
         return {}
-    nested = {id(p.sharded_param) for m in tree.modules() if owns_unit(m) for p in m._unit.params}
     shard_size = config.mesh.size(config.mesh.ndim - 1)
     dims = {}
-    for name, param in tree.named_parameters():
-        if id(param) in nested or param in config.ignored_params:
-            continue
+    for name, param in params_to_shard(tree, config):
         placement = shard_placement_fn(param)
         if placement is None:
             continue
-        name = clean_name(name)
         if type(placement) is not Shard:
             raise ValueError(
                 f"shard_placement_fn gave {name!r} {placement!r}; it must return Shard(dim) or None"

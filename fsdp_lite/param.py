@@ -479,8 +479,7 @@ class ShardedParam:
         """This parameter, full and unpadded, from its gathered rows (N, shard_numel)."""
         out = torch.empty(self.orig_size, dtype=rows.dtype, device=device or rows.device)
         if self.shard_dim != 0:  # Note [Shard dim]: even, no padding
-            torch.cat(rows.view(rows.size(0), *self.local_shape).unbind(0), self.shard_dim, out=out)
-            return out
+            return self._concat_shards(rows, out)
         dim0, row_numel = self.orig_size[0], math.prod(self.orig_size[1:])
         if dim0 == 0:
             return out
@@ -507,10 +506,14 @@ class ShardedParam:
 
     def copy_out_gathered(self, target: torch.Tensor) -> None:
         """The N shards in ``target`` (from ``gather_target``) as the whole unsharded param."""
-        if target is self.unsharded_flat:
-            return
-        chunks = target.view(self.world_size, *self.local_shape).unbind(0)
-        torch.cat(chunks, self.shard_dim, out=self.unsharded_flat.view(self.orig_size))
+        if target is not self.unsharded_flat:
+            self._concat_shards(target, self.unsharded_flat.view(self.orig_size))
+
+    def _concat_shards(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The N shards in ``rows`` (N x shard_numel), concatenated on the shard dim into
+        ``out`` (shard dim > 0: even, no padding)."""
+        chunks = rows.view(self.world_size, *self.local_shape).unbind(0)
+        return torch.cat(chunks, self.shard_dim, out=out)
 
     def gathered_rows(self, ranks: slice) -> torch.Tensor:
         """The shards of ``ranks`` from the unsharded buffer, (len(ranks), shard_numel)."""
