@@ -21,7 +21,9 @@ from fsdp_lite.api import (
     StateDictSettings,
     StateDictType,
 )
-from fsdp_lite.fsdp2 import (
+from fsdp_lite.engine.runtime import set_collective_order_check
+from fsdp_lite.fronts.fsdp1 import FullyShardedDataParallel, FullyShardedModule
+from fsdp_lite.fronts.fsdp2 import (
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
@@ -30,8 +32,19 @@ from fsdp_lite.fsdp2 import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from fsdp_lite.module import FullyShardedDataParallel, FullyShardedModule
-from fsdp_lite.runtime import set_collective_order_check
+
+# Classes are shown (reprs, messages, pickles) by their public path, not by the file that defines
+# them, as torch does for its FSDP classes.
+for _cls in (
+    CPUOffloadPolicy,
+    FSDPModule,
+    FullyShardedModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+):
+    _cls.__module__ = "fsdp_lite"
+del _cls
 
 __all__ = [
     "BackwardPrefetch",

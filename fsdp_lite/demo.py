@@ -4,7 +4,7 @@
 (what torchrun runs); under torchrun it runs as one rank. Every rank trains the same seeded model on
 its own character-level batches of data/tinytext.txt (original prose written for this project,
 public domain), and rank 0 prints one table: loss and parameter differences from DDP, per-rank bytes
-of params, grads and AdamW state, and bytes through collectives per step (from fsdp_lite.trace).
+of params, grads and AdamW state, and bytes through collectives per step (from fsdp_lite.tools.trace).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_lite import FullyShardedDataParallel, ShardingStrategy
-from fsdp_lite.collectives import all_gather_objects
-from fsdp_lite.launch import launch_module
-from fsdp_lite.trace import record_collectives
+from fsdp_lite.engine.collectives import all_gather_objects
+from fsdp_lite.tools.launch import launch_module
+from fsdp_lite.tools.trace import record_collectives
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 
 __all__ = ["main"]
@@ -418,7 +418,7 @@ def format_table(
         "param diff: max |param - DDP's| over all full parameters after the last step (0 = bitwise equal).",
         "params, grads, AdamW: bytes per rank between steps (max over ranks), local shards incl. padding.",
         f"all-gather (output), reduce-scatter (input), all-reduce: bytes per rank in step {args.steps}, "
-        "from fsdp_lite.trace.",
+        "from fsdp_lite.tools.trace.",
         "* DDP is not traced: its all-reduce bytes are computed, one all-reduce of every parameter's grad.",
         "ms/step: median over steps after the first, on rank 0, forward + backward + AdamW step.",
     ]

@@ -51,9 +51,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from conformance.models import Block, GPTConfig, TinyLM  # noqa: E402
-from fsdp_lite import collectives  # noqa: E402
 from fsdp_lite.demo import storage_nbytes  # noqa: E402
-from fsdp_lite.unit import unit_owners  # noqa: E402
+from fsdp_lite.engine import collectives  # noqa: E402
+from fsdp_lite.engine.unit import unit_owners  # noqa: E402
 
 MiB = 1024**2
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
@@ -61,7 +61,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 REFERENCE = "torch_fsdp2"  # the "x FSDP2" column
 # FULL_SHARD with the backend's own all-gather and reduce-scatter, where fsdp_lite would send rows
 COLLECTIVES_VARIANT = "fsdp_lite/FULL_SHARD/collectives"
-# FULL_SHARD without the collective-order check (fsdp_lite/order.py): what the check costs
+# FULL_SHARD without the collective-order check (fsdp_lite/tools/order.py): what the check costs
 NO_ORDER_CHECK = "fsdp_lite/FULL_SHARD/no_order_check"
 # fsdp_lite's FSDP2 front, fully_shard per block and root: the same calls as torch_fsdp2's
 LITE_FSDP2 = "fsdp_lite/fully_shard"
@@ -83,7 +83,7 @@ class SystemSpec:
     # own collectives, to measure both on one machine.
     backend_collectives: bool = False
     # fsdp_lite logs each collective and compares the ranks' logs when a wait stalls
-    # (fsdp_lite/order.py); False turns that off, to measure what it costs.
+    # (fsdp_lite/tools/order.py); False turns that off, to measure what it costs.
     order_check: bool = True
     # deepspeed: ZeRO-3's memory_efficient_linear (None: DeepSpeed's default, True)
     memory_efficient_linear: bool | None = None

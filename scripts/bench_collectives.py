@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 scripts/bench_collectives.py [--numels 887232,1597824] [--iters 30]
 
 For each shard numel (fp32; the defaults are a 6-block GPT's block and root shards at 2 ranks,
-scripts/bench.py's model) it times ``fsdp_lite.collectives.all_gather`` (in place, as a unit does)
+scripts/bench.py's model) it times ``fsdp_lite.engine.collectives.all_gather`` (in place, as a unit does)
 and ``reduce_scatter``, each with the backend's own collective and with sends
 (``collectives.Transport``: all_gather_by_sends, reduce_scatter_by_sends), and ``all_reduce`` of the same buffer,
 alternating the variants so that machine load falls on each alike. It checks that both ways give
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_lite import collectives  # noqa: E402
+from fsdp_lite.engine import collectives  # noqa: E402
 
 
 def all_gather(shard: torch.Tensor, transport: collectives.Transport | None) -> torch.Tensor:

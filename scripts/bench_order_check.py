@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
 import fsdp_lite  # noqa: E402
-from fsdp_lite import collectives  # noqa: E402
+from fsdp_lite.engine import collectives  # noqa: E402
 
 WARMUP = 4
 

@@ -1,5 +1,5 @@
 """What the collective-order check's wait costs: one exchange of sends waited directly, or through
-fsdp_lite/order.py's helper thread.
+fsdp_lite/tools/order.py's helper thread.
 
     torchrun --nproc_per_node 2 scripts/bench_order_wait.py
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_lite import order  # noqa: E402
+from fsdp_lite.tools import order  # noqa: E402
 
 EXCHANGES = 2000
 

@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_checks.sh            # results under $OUT (the device tool's), else gpu_results/
 #
-# 1. the gpu-marked tests: pinned CPU offload, and side streams (fsdp_lite/streams.py) against
+# 1. the gpu-marked tests: pinned CPU offload, and side streams (fsdp_lite/engine/streams.py) against
 #    the same training without them, bitwise;
 # 2. the conformance suite's quick matrix on NCCL (one GPU: one rank).
 # Copy what it writes into docs/ or benchmarks/results/ with the date and the machine.

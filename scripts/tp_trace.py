@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_lite  # noqa: E402
 from conformance.tp_models import batch, build_tplm, loss_fn, parallelize  # noqa: E402
+from fsdp_lite.engine.unit import unit_owners  # noqa: E402
 from fsdp_lite.trace import CollectiveTrace, explain, plot_timeline, record_collectives  # noqa: E402
-from fsdp_lite.unit import unit_owners  # noqa: E402
 
 
 class CountFunctionalBytes(TorchDispatchMode):

@@ -38,10 +38,10 @@ from fsdp_lite import (
     ShardingStrategy,
     StateDictType,
 )
-from fsdp_lite.collectives import all_gather_objects
 from fsdp_lite.demo import PROCESS_GROUP_TIMEOUT, human_bytes, say
+from fsdp_lite.engine.collectives import all_gather_objects
 from fsdp_lite.estimate import estimate
-from fsdp_lite.launch import launch_module
+from fsdp_lite.tools.launch import launch_module
 from fsdp_lite.trace import CollectiveTrace, explain, plot_memory, plot_timeline, record_collectives
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 

@@ -49,7 +49,7 @@ def global_batch(model_name: str, step: int, world_size: int):
 
 
 def shard_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's rows of dim 0 under the ceil-chunk rule (see fsdp_lite/param.py Note [Padding])."""
+    """This rank's rows of dim 0 under the ceil-chunk rule (see fsdp_lite/engine/param.py Note [Padding])."""
     rows = -(-full.size(0) // world_size)
     return full[rank * rows : (rank + 1) * rows]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_lite import collectives
+from fsdp_lite.engine import collectives
 from tests.ranks import run_ranks
 
 # Uneven on purpose: 7 rows and 5 rows divide by neither 2 nor 3, (1,) has fewer rows than ranks.
@@ -37,7 +37,7 @@ def _padded(full: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def _sharded_flat(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's padded 1D shard, built independently of fsdp_lite.param."""
+    """This rank's padded 1D shard, built independently of fsdp_lite.engine.param."""
     rows = _shard_rows(full.size(0), world_size)
     return _padded(full, world_size)[rank * rows : (rank + 1) * rows].reshape(-1)
 

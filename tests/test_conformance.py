@@ -39,7 +39,7 @@ class WrongDivideFactorAdapter(FsdpLiteAdapter):
 
     @contextlib.contextmanager
     def case_context(self, case):
-        from fsdp_lite import collectives
+        from fsdp_lite.engine import collectives
 
         if hasattr(collectives, "grad_divide_factors"):  # (pre, post): divide before / after
             original = collectives.grad_divide_factors
@@ -60,7 +60,7 @@ class SkippedReduceScatterAdapter(FsdpLiteAdapter):
 
     @contextlib.contextmanager
     def case_context(self, case):
-        from fsdp_lite.unit import ShardedUnit
+        from fsdp_lite.engine.unit import ShardedUnit
 
         original = ShardedUnit.reduce_grads
 
@@ -81,7 +81,7 @@ class StaleUnshardedParamAdapter(FsdpLiteAdapter):
 
     @contextlib.contextmanager
     def case_context(self, case):
-        from fsdp_lite.unit import ShardedUnit
+        from fsdp_lite.engine.unit import ShardedUnit
 
         original = ShardedUnit.wait_for_unshard
         first_values: dict[int, list[torch.Tensor]] = {}

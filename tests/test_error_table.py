@@ -133,7 +133,7 @@ def _ignore_a_wrapped_child(c: Ctx) -> None:
 
 def _not_writable(c: Ctx) -> None:
     # Tests run as root here, who may write anywhere: os.access answers as for a read-only dir.
-    with mock.patch.object(disk_offload.os, "access", return_value=False):
+    with mock.patch.object(os, "access", return_value=False):
         FSDP(c.mlp(), cpu_offload=CPUOffload(offload_params=True, offload_dir=c.tmp))
 
 
@@ -359,24 +359,37 @@ CASES: dict[str, Callable[[Ctx], object]] = {
 # Raise sites whose message is not a row, and why: matched by file and a literal part of the
 # message ("" matches a message with no literal part).
 NOT_IN_THE_TABLE = {
-    ("construct.py", "must be"): "the shared type check; its texts are the rows naming arguments",
-    ("module.py", ""): "torch's load_state_dict error, wrapper names removed: a row shows one",
-    ("optim_state.py", ""): "the type check's TypeError as a ValueError: row [rekey_as_string]",
+    (
+        "fronts/construct.py",
+        "must be",
+    ): "the shared type check; its texts are the rows naming arguments",
+    (
+        "fronts/fsdp1.py",
+        "",
+    ): "torch's load_state_dict error, wrapper names removed: a row shows one",
+    (
+        "state/optim_state.py",
+        "",
+    ): "the type check's TypeError as a ValueError: row [rekey_as_string]",
     ("estimate.py", ""): "KeyError(name), as a dict's: row [estimate_unknown_strategy]",
-    ("order.py", ""): "the message is built by order.py's _describe: the order rows show it",
+    ("tools/order.py", ""): "the message is built by order.py's _describe: the order rows show it",
     ("demo.py", "state_dict keys differ"): "the demo's own check of its result, not user input",
     ("demo.py", "has shape"): "the demo's own check of its result, not user input",
-    ("disk_offload.py", "cannot create"): "the OS refused a directory (full disk): its error",
-    ("checkpoint.py", "loading checkpoint"): "DCP failed after fsdp_lite's checks passed",
-    ("param.py", "that needs a sharding mesh"): "both fronts pass a mesh, or refuse DTensors first",
-    ("param.py", "only sharding strategies"): "the FSDP1 front refuses DTensors first",
-    ("fsdp2.py", "tensor-parallel (DTensor) parameters"): "needs dp >= 4 beside TP: 8 ranks",
+    ("engine/disk.py", "cannot create"): "the OS refused a directory (full disk): its error",
+    ("state/checkpoint.py", "loading checkpoint"): "DCP failed after fsdp_lite's checks passed",
+    (
+        "engine/param.py",
+        "that needs a sharding mesh",
+    ): "both fronts pass a mesh, or refuse DTensors first",
+    ("engine/param.py", "only sharding strategies"): "the FSDP1 front refuses DTensors first",
+    ("fronts/fsdp2.py", "tensor-parallel (DTensor) parameters"): "needs dp >= 4 beside TP: 8 ranks",
 }
 
 
 def _raise_sites() -> list[tuple[str, int, list[str]]]:
     sites = []
-    for path in sorted((ROOT / "fsdp_lite").glob("*.py")):
+    package = ROOT / "fsdp_lite"
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
                 parts = [
@@ -385,7 +398,7 @@ def _raise_sites() -> list[tuple[str, int, list[str]]]:
                     for n in ast.walk(arg)
                     if isinstance(n, ast.Constant) and isinstance(n.value, str)
                 ]
-                sites.append((path.name, node.lineno, parts))
+                sites.append((path.relative_to(package).as_posix(), node.lineno, parts))
     return sites
 
 

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite import ShardingStrategy
-from fsdp_lite.param import ShardedParam
+from fsdp_lite.engine.param import ShardedParam
 from tests.parity import POLICIES, assert_close, build, local, loss_fn, rank_batch, shard_of
 from tests.ranks import run_ranks
 

@@ -1,7 +1,7 @@
 """fsdp_lite's FSDPModule is torch's for isinstance checks, and none of torch's FSDP code runs on it.
 
 Client code (Accelerate's FSDP2 path, HF Trainer, Lightning Fabric, torch's pipelining) decides by
-``isinstance(m, torch.distributed.fsdp.FSDPModule)``; fsdp_lite/interop.py makes that hold. The
+``isinstance(m, torch.distributed.fsdp.FSDPModule)``; fsdp_lite/fronts/interop.py makes that hold. The
 price would be torch's methods running on modules they know nothing of, so: every method torch's
 class defines is fsdp_lite's own, and a training step, a state dict, and torch's own
 ``register_fsdp_forward_method`` and ``.to()`` run no function from torch's FSDP package.

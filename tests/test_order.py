@@ -1,4 +1,4 @@
-"""Collective-order checks (fsdp_lite/order.py): ranks that run different units are named quickly.
+"""Collective-order checks (fsdp_lite/tools/order.py): ranks that run different units are named quickly.
 
 Ranks here are plain processes (tests/ranks.py), not under torchrun's agent, which would kill the
 survivors; the process group's timeout is 30 s. Rank 1 skips the last block in its second forward:
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fsdp_lite
-from fsdp_lite.order import SCHEDULES, CollectiveOrderError, Issued, OrderLog, diverged
+from fsdp_lite.tools.order import SCHEDULES, CollectiveOrderError, Issued, OrderLog, diverged
 from tests.parity import build_model, loss_fn, rank_batch
 from tests.ranks import run_ranks
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_lite.param import ShardedParam, alloc_storage, free_storage
+from fsdp_lite.engine.param import ShardedParam, alloc_storage, free_storage
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@
 torch's ``PipelineStage`` sees an ``FSDPModule``, so it keeps gradients unreduced across
 microbatches (``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``,
 ``set_is_last_backward(False)``) and reduces once per step through ``fully_shard.state(...)``
-(fsdp_lite/interop.py). Each schedule trains to the single-process model on the global batch, and
+(fsdp_lite/fronts/interop.py). Each schedule trains to the single-process model on the global batch, and
 to torch's FSDP2 under the same schedule; the trace shows one reduction per unit per step.
 """
 

@@ -19,7 +19,7 @@ from conformance.models import Block
 from fsdp_lite import BackwardPrefetch, ShardingStrategy
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite import wrap as lite_wrap
-from fsdp_lite.unit import ShardedUnit
+from fsdp_lite.engine.unit import ShardedUnit
 from tests.parity import build_model, loss_fn, rank_batch, train_lm
 from tests.ranks import run_ranks
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_lite
-from fsdp_lite import order
+from fsdp_lite.tools import order
 from fsdp_lite.trace import record_collectives
 from tests.parity import build_model, loss_fn, rank_batch
 from tests.ranks import run_ranks

@@ -7,8 +7,8 @@ import torch
 
 from fsdp_lite import BackwardPrefetch, ShardingStrategy
 from fsdp_lite import FullyShardedDataParallel as FSDP
+from fsdp_lite.engine.unit import ShardedState
 from fsdp_lite.trace import record_collectives
-from fsdp_lite.unit import ShardedState
 from tests.parity import POLICIES, build_model, loss_fn, rank_batch
 from tests.ranks import run_ranks
 

@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import fsdp_lite
+from fsdp_lite.engine.unit import unit_owners
 from fsdp_lite.trace import explain
-from fsdp_lite.unit import unit_owners
 from tests.parity import build_model, loss_fn, rank_batch
 from tests.ranks import run_checks, run_ranks
 from tests.test_fsdp2_front import APIS, BF16, _assert_same, _sharded, _train, sharded_on_meta

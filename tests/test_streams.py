@@ -1,4 +1,4 @@
-"""Side streams (fsdp_lite/streams.py): the calls of Note [Side-stream protocol], in order.
+"""Side streams (fsdp_lite/engine/streams.py): the calls of Note [Side-stream protocol], in order.
 
 CPU has no streams, so these tests swap in recording streams: each side-stream call and each
 collective step is logged with the stream it was queued on. On a GPU, scripts/gpu_checks.sh runs
@@ -13,10 +13,11 @@ import io
 import pytest
 import torch
 
-import fsdp_lite.runtime
-from fsdp_lite import BackwardPrefetch, ShardingStrategy, collectives
+import fsdp_lite.engine.runtime
+from fsdp_lite import BackwardPrefetch, ShardingStrategy
 from fsdp_lite import FullyShardedDataParallel as FSDP
-from fsdp_lite.streams import SideStreams, side_streams
+from fsdp_lite.engine import collectives
+from fsdp_lite.engine.streams import SideStreams, side_streams
 from tests.parity import POLICIES, build_model, local, loss_fn, rank_batch
 from tests.ranks import run_ranks
 
@@ -88,8 +89,8 @@ def _train(
 
         return call
 
-    saved_factory = fsdp_lite.runtime.side_streams
-    fsdp_lite.runtime.side_streams = lambda device: streams
+    saved_factory = fsdp_lite.engine.runtime.side_streams
+    fsdp_lite.engine.runtime.side_streams = lambda device: streams
     for name in LOGGED:
         setattr(collectives, name, logged(name))
     try:
@@ -113,7 +114,7 @@ def _train(
             losses.append(loss.detach())
         return [t.cpu() for t in losses], [local(p.detach()).cpu() for p in model.parameters()]
     finally:
-        fsdp_lite.runtime.side_streams = saved_factory
+        fsdp_lite.engine.runtime.side_streams = saved_factory
         for name, fn in originals.items():
             setattr(collectives, name, fn)
 

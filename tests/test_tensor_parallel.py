@@ -24,7 +24,7 @@ from torch.distributed.tensor import Shard
 
 import fsdp_lite
 from conformance.tp_models import TPLM, batch, build_tplm, loss_fn, parallelize
-from fsdp_lite.unit import unit_owners
+from fsdp_lite.engine.unit import unit_owners
 from tests.ranks import run_ranks
 
 STEPS = 3

@@ -16,10 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from fsdp_lite import FullyShardedModule, ShardingStrategy, collectives
+from fsdp_lite import FullyShardedModule, ShardingStrategy
 from fsdp_lite.api import STRATEGY_RULES
+from fsdp_lite.engine import collectives
+from fsdp_lite.engine.unit import ShardedState, ShardedUnit, TrainingState
 from fsdp_lite.trace import CollectiveTrace, record_collectives
-from fsdp_lite.unit import ShardedState, ShardedUnit, TrainingState
 from tests.ranks import run_ranks
 
 WORLD_SIZE = 2

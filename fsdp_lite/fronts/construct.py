@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_lite import collectives, offload, wrap
+from fsdp_lite import wrap
 from fsdp_lite.api import (
     STRATEGY_RULES,
     BackwardPrefetch,
@@ -29,15 +29,16 @@ from fsdp_lite.api import (
     ShardingStrategy,
     as_ours,
 )
-from fsdp_lite.disk_offload import DiskStore, check_offload_dir
-from fsdp_lite.mixed_precision import (
+from fsdp_lite.engine import collectives, offload
+from fsdp_lite.engine.disk import DiskStore, check_offload_dir
+from fsdp_lite.engine.mixed_precision import (
     Precision,
     cast_buffers,
     resolve,
 )
+from fsdp_lite.engine.param import ShardedParam, TensorParallel, padded_numel, with_local
+from fsdp_lite.engine.unit import ShardedUnit, owns_unit
 from fsdp_lite.names import clean_name
-from fsdp_lite.param import ShardedParam, TensorParallel, padded_numel, with_local
-from fsdp_lite.unit import ShardedUnit, owns_unit
 
 __all__ = ["UnitConfig"]
 

@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from fsdp_lite import offload
+from fsdp_lite.engine import offload
 
 __all__ = [
     "ShardedParam",

@@ -23,9 +23,19 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_lite import offload
 from fsdp_lite.api import STRATEGY_RULES, BackwardPrefetch, ShardingStrategy, as_ours
-from fsdp_lite.construct import (
+from fsdp_lite.engine import offload
+from fsdp_lite.engine.mixed_precision import Precision, cast_floating
+from fsdp_lite.engine.runtime import (
+    eager,
+    lazy_init,
+    prepare_apply,
+    register_grad_hooks,
+    take_back_after_apply,
+    to_rest,
+)
+from fsdp_lite.engine.unit import ShardedUnit, TrainingState, owns_unit, unit_owners
+from fsdp_lite.fronts.construct import (
     UnitConfig,
     _build_unit,
     _check_same_model_across_ranks,
@@ -33,17 +43,7 @@ from fsdp_lite.construct import (
     check_tensor_parallel_params,
     params_to_shard,
 )
-from fsdp_lite.interop import TorchFSDPModule, register_state
-from fsdp_lite.mixed_precision import Precision, cast_floating
-from fsdp_lite.runtime import (
-    eager,
-    lazy_init,
-    prepare_apply,
-    register_grad_hooks,
-    take_back_after_apply,
-)
-from fsdp_lite.state_dict import to_rest
-from fsdp_lite.unit import ShardedUnit, TrainingState, owns_unit, unit_owners
+from fsdp_lite.fronts.interop import TorchFSDPModule, register_state
 
 __all__ = [
     "CPUOffloadPolicy",

@@ -42,11 +42,10 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_lite.api import BackwardPrefetch
+from fsdp_lite.engine.param import ShardedParam
+from fsdp_lite.engine.streams import side_streams
+from fsdp_lite.engine.unit import ShardedState, ShardedUnit, TrainingState, owns_unit, unit_owners
 from fsdp_lite.names import clean_name
-from fsdp_lite.param import ShardedParam
-from fsdp_lite.state_dict import to_rest
-from fsdp_lite.streams import side_streams
-from fsdp_lite.unit import ShardedUnit, TrainingState, owns_unit, unit_owners
 
 __all__ = [
     "StepRuntime",
@@ -57,6 +56,7 @@ __all__ = [
     "register_grad_hooks",
     "set_collective_order_check",
     "take_back_after_apply",
+    "to_rest",
 ]
 
 
@@ -72,7 +72,7 @@ def eager(fn: Callable) -> Callable:
 
 
 def set_collective_order_check(module: nn.Module, enabled: bool) -> None:
-    """Turn the collective-order check (fsdp_lite/order.py) on or off for every unit in
+    """Turn the collective-order check (fsdp_lite/tools/order.py) on or off for every unit in
     ``module``'s tree, of either front. On by default."""
     for owner in unit_owners(module):
         owner._unit.order_check = bool(enabled)
@@ -124,6 +124,22 @@ def prepare_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor])
         check_apply(owner._unit, fn)
     for owner in owners:
         to_rest(owner)
+
+
+def to_rest(wrapper: nn.Module) -> None:
+    """Make the module attributes of this wrapper's unit hold ``sharded_param`` again.
+
+    Between steps they already do, except the root's after a forward without backward (it keeps
+    its unsharded params for the backward that never came); the next backward would gather again.
+    """
+    unit: ShardedUnit = wrapper._unit
+    if unit.training_state != TrainingState.IDLE:
+        raise RuntimeError(
+            f"unit {unit.name or '<root>'!r}: state dicts are taken between steps, not inside "
+            f"forward, backward or summon_full_params (state {unit.training_state.name})"
+        )
+    if unit.uses_unsharded_copy and unit.state == ShardedState.UNSHARDED:
+        unit.reshard()
 
 
 def check_apply(unit: ShardedUnit, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -32,13 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_lite import collectives, offload, order
 from fsdp_lite.api import BackwardPrefetch, Rules
-from fsdp_lite.collectives import AllGatherResult, ReduceResult
-from fsdp_lite.mixed_precision import Precision
-from fsdp_lite.order import CollectiveError
-from fsdp_lite.param import ShardedParam
-from fsdp_lite.streams import SideStreams
+from fsdp_lite.engine import collectives, offload
+from fsdp_lite.engine.collectives import AllGatherResult, ReduceResult
+from fsdp_lite.engine.mixed_precision import Precision
+from fsdp_lite.engine.param import ShardedParam
+from fsdp_lite.engine.streams import SideStreams
+from fsdp_lite.tools import order
+from fsdp_lite.tools.order import CollectiveError
 
 __all__ = [
     "CollectiveError",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fsdp_lite import order
+from fsdp_lite.tools import order
 
 __all__ = [
     "BACKEND",

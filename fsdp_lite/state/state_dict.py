@@ -62,9 +62,10 @@ from fsdp_lite.api import (
     StateDictType,
     as_ours,
 )
+from fsdp_lite.engine.param import ShardedParam, with_local
+from fsdp_lite.engine.runtime import to_rest
+from fsdp_lite.engine.unit import ShardedUnit, unit_owners
 from fsdp_lite.names import clean_name
-from fsdp_lite.param import ShardedParam, with_local
-from fsdp_lite.unit import ShardedState, ShardedUnit, TrainingState, unit_owners
 
 __all__ = [
     "after_state_dict",
@@ -76,7 +77,6 @@ __all__ = [
     "set_state_dict_type",
     "settings_of",
     "state_dict_type",
-    "to_rest",
     "wrappers_in",
 ]
 
@@ -282,22 +282,6 @@ def state_dict_type(
 
 
 # ---- at rest -------------------------------------------------------------------------------------
-
-
-def to_rest(wrapper: nn.Module) -> None:
-    """Make the module attributes of this wrapper's unit hold ``sharded_param`` again.
-
-    Between steps they already do, except the root's after a forward without backward (it keeps
-    its unsharded params for the backward that never came); the next backward would gather again.
-    """
-    unit: ShardedUnit = wrapper._unit
-    if unit.training_state != TrainingState.IDLE:
-        raise RuntimeError(
-            f"unit {unit.name or '<root>'!r}: state dicts are taken between steps, not inside "
-            f"forward, backward or summon_full_params (state {unit.training_state.name})"
-        )
-    if unit.uses_unsharded_copy and unit.state == ShardedState.UNSHARDED:
-        unit.reshard()
 
 
 # ---- saving --------------------------------------------------------------------------------------

@@ -25,7 +25,20 @@ from fsdp_lite.api import (
     MixedPrecision,
     ShardingStrategy,
 )
-from fsdp_lite.construct import (
+from fsdp_lite.engine.mixed_precision import (
+    cast_floating,
+    keep_in_full_precision,
+)
+from fsdp_lite.engine.runtime import (
+    StepRuntime,
+    lazy_init,
+    prepare_apply,
+    register_grad_hooks,
+    take_back_after_apply,
+    to_rest,
+)
+from fsdp_lite.engine.unit import ShardedUnit, TrainingState
+from fsdp_lite.fronts.construct import (
     UnitConfig,
     _broadcast_module_states,
     _build_unit,
@@ -37,19 +50,7 @@ from fsdp_lite.construct import (
     _resolve_configs,
     check_tensor_parallel_params,
 )
-from fsdp_lite.mixed_precision import (
-    cast_floating,
-    keep_in_full_precision,
-)
 from fsdp_lite.names import WRAPPED, WRAPPED_PREFIX, clean_name
-from fsdp_lite.runtime import (
-    StepRuntime,
-    lazy_init,
-    prepare_apply,
-    register_grad_hooks,
-    take_back_after_apply,
-)
-from fsdp_lite.unit import ShardedUnit, TrainingState
 
 __all__ = ["FullyShardedDataParallel", "FullyShardedModule", "UnitConfig"]
 
@@ -335,12 +336,12 @@ class FullyShardedModule(nn.Module):
         Keys are those of the unwrapped module. FULL: full tensors, gathered one unit at a time
         (``offload_to_cpu``, ``rank0_only``: other ranks get ``{}``). SHARDED: ``sharded_param``
         DTensors, for ``torch.distributed.checkpoint``. LOCAL: this rank's rows, plain tensors.
-        See fsdp_lite/state_dict.py.
+        See fsdp_lite/state/state_dict.py.
         """
-        from fsdp_lite import state_dict as impl
+        from fsdp_lite.state import state_dict as impl
 
         self._lazy_init()  # the outermost wrapper becomes the root, as in forward
-        impl.to_rest(self)
+        to_rest(self)
         raw = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         return impl.after_state_dict(self, raw, prefix)
 
@@ -349,9 +350,9 @@ class FullyShardedModule(nn.Module):
 
         A DTensor value is a shard, a plain tensor a full parameter (each rank keeps its rows, no
         communication), except under LOCAL_STATE_DICT (this rank's rows). Reported key names
-        are the unwrapped module's. See fsdp_lite/state_dict.py.
+        are the unwrapped module's. See fsdp_lite/state/state_dict.py.
         """
-        from fsdp_lite import state_dict as impl
+        from fsdp_lite.state import state_dict as impl
 
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported")
@@ -363,7 +364,7 @@ class FullyShardedModule(nn.Module):
         return impl.clean_load_result(result)
 
     def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
-        from fsdp_lite import state_dict as impl
+        from fsdp_lite.state import state_dict as impl
 
         impl.before_load(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args)
@@ -375,14 +376,14 @@ class FullyShardedModule(nn.Module):
         return dict.fromkeys(names, WRAPPED)
 
     # State dict settings and optimizer state: torch FSDP1's static methods, which delegate to
-    # fsdp_lite/state_dict.py and fsdp_lite/optim_state.py (see their docstrings).
+    # fsdp_lite/state/state_dict.py and fsdp_lite/state/optim_state.py (see their docstrings).
 
     @staticmethod
     def state_dict_type(
         module, state_dict_type, state_dict_config=None, optim_state_dict_config=None
     ):
         """Context manager: ``set_state_dict_type`` for the block, then the previous settings."""
-        from fsdp_lite import state_dict as impl
+        from fsdp_lite.state import state_dict as impl
 
         return impl.state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
@@ -393,7 +394,7 @@ class FullyShardedModule(nn.Module):
         module, state_dict_type, state_dict_config=None, optim_state_dict_config=None
     ):
         """Set the state dict type and configs of every wrapper under ``module``; returns the old."""
-        from fsdp_lite import state_dict as impl
+        from fsdp_lite.state import state_dict as impl
 
         return impl.set_state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
@@ -402,14 +403,14 @@ class FullyShardedModule(nn.Module):
     @staticmethod
     def get_state_dict_type(module):
         """The ``StateDictSettings`` of the wrappers under ``module`` (they must agree)."""
-        from fsdp_lite import state_dict as impl
+        from fsdp_lite.state import state_dict as impl
 
         return impl.get_state_dict_type(module)
 
     @staticmethod
     def optim_state_dict(model, optim, optim_state_dict=None, group=None):
         """``optim``'s state keyed by parameter name, full or sharded as ``state_dict_type`` says."""
-        from fsdp_lite import optim_state as impl
+        from fsdp_lite.state import optim_state as impl
 
         return impl.optim_state_dict(model, optim, optim_state_dict, group)
 
@@ -418,7 +419,7 @@ class FullyShardedModule(nn.Module):
         model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False, group=None
     ):
         """A name-keyed optimizer state dict (any world size) made loadable by ``optim``."""
-        from fsdp_lite import optim_state as impl
+        from fsdp_lite.state import optim_state as impl
 
         return impl.optim_state_dict_to_load(
             model, optim, optim_state_dict, is_named_optimizer, load_directly, group
@@ -427,21 +428,21 @@ class FullyShardedModule(nn.Module):
     @staticmethod
     def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):
         """Full optimizer state keyed by parameter name (only on rank 0 by default)."""
-        from fsdp_lite import optim_state as impl
+        from fsdp_lite.state import optim_state as impl
 
         return impl.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
 
     @staticmethod
     def sharded_optim_state_dict(model, optim, group=None):
         """Optimizer state keyed by parameter name, each tensor this rank's DTensor shard."""
-        from fsdp_lite import optim_state as impl
+        from fsdp_lite.state import optim_state as impl
 
         return impl.sharded_optim_state_dict(model, optim, group)
 
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict, model, optim_input=None, optim=None):
         """This rank's part of a full optimizer state dict that every rank holds."""
-        from fsdp_lite import optim_state as impl
+        from fsdp_lite.state import optim_state as impl
 
         return impl.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
 
@@ -450,7 +451,7 @@ class FullyShardedModule(nn.Module):
         full_optim_state_dict, model, optim_input=None, optim=None, group=None
     ):
         """This rank's part of a full optimizer state dict that only rank 0 holds."""
-        from fsdp_lite import optim_state as impl
+        from fsdp_lite.state import optim_state as impl
 
         return impl.scatter_full_optim_state_dict(
             full_optim_state_dict, model, optim_input, optim, group
@@ -461,7 +462,7 @@ class FullyShardedModule(nn.Module):
         optim_state_dict, optim_state_key_type, model, optim_input=None, optim=None
     ):
         """Re-key an optimizer state dict by parameter name or id (wrapped model or not)."""
-        from fsdp_lite import optim_state as impl
+        from fsdp_lite.state import optim_state as impl
 
         return impl.rekey_optim_state_dict(
             optim_state_dict, optim_state_key_type, model, optim_input, optim

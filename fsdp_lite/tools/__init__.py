@@ -1,0 +1,1 @@
+"""What watches and launches a run: the trace, the collective-order check, the rank launcher."""

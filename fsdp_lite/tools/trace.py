@@ -1,0 +1,522 @@
+"""Records what a step does on this rank: every collective, each unit's compute, memory by category.
+
+``record_collectives(model, optimizer)`` attaches one ``CollectiveTrace`` to every unit of a wrapped
+model for the duration of a ``with`` block. Units append a ``CollectiveRecord`` when they start a
+collective and stamp its end when their wait returns; the runtime opens and closes a ``ComputeSpan``
+around each unit's forward and backward; at each of these events the trace samples every unit's
+bytes by category (``MemorySample``). ``explain(model)`` returns the sharding plan as text, and
+``plot_timeline`` / ``plot_memory`` draw traces with matplotlib (the ``plot`` extra).
+"""
+
+# Note [Trace times and memory]
+#
+# Times are time.perf_counter() seconds since this rank's trace began; ranks' clocks are not aligned.
+# A collective's `start` is when the unit issued it, its `end` when this rank's wait on it returned
+# (`wait_for_unshard` for all-gathers, `finish_reduce` for reductions; right after the call for the
+# synchronous ones). On CPU/gloo that is when the waiting rank observed completion: an all-gather
+# prefetched early may have finished long before its `end`, and a wait that returns at once still
+# shows the time until somebody asked. Compute spans are inclusive: the root's forward contains its
+# children's.
+#
+# Memory is storage accounting, not an allocator reading: at each event, for each unit, the bytes of
+# the distinct storages behind its tensors, each storage counted once, in the first category that
+# holds it (the order of MEMORY_CATEGORIES). Exact for what the units own, cheap, device-agnostic;
+# activations and the allocator's cache are not in it. The categories are the planner's
+# (estimate.py): params + grads + optim are its model states, and the unsharded_* and comm_buffers
+# categories are its working set.
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_lite.engine.runtime import lazy_init
+from fsdp_lite.engine.unit import unit_owners
+
+__all__ = [
+    "MEMORY_CATEGORIES",
+    "CollectiveRecord",
+    "CollectiveTrace",
+    "ComputeSpan",
+    "MemorySample",
+    "explain",
+    "plot_memory",
+    "plot_timeline",
+    "record_collectives",
+]
+
+# Storage categories per unit, in the order a shared storage is claimed (Note [Trace times and memory]).
+MEMORY_CATEGORIES = (
+    "params",  # sharded_param storage (sharded_flat, padding included); the whole param if not sharded
+    "optim",  # the optimizer's state tensors for this unit's sharded_params (local shards)
+    "grads",  # sharded_param.grad: what the optimizer reads
+    "unsharded_params",  # unsharded_param storage while allocated
+    "unsharded_grads",  # the gradients autograd left on unsharded_param, not yet reduced
+    "comm_buffers",  # all_gather_output and reduction buffers of collectives in flight
+)
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective one unit issued on this rank; times per Note [Trace times and memory]."""
+
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    unit: str  # the unit's module path from the root, "" for the root
+    phase: str  # "forward" | "backward" | "summon" | ...
+    dtype: torch.dtype
+    numel: int  # of this rank's input
+    step: int = 0
+    start: float = 0.0  # seconds since the trace began, when the unit issued it
+    end: float | None = None  # when this rank's wait returned; None until then
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass
+class ComputeSpan:
+    """A unit's forward or backward (pre-hook to post-hook), or a span the user marked."""
+
+    unit: str  # unit name, or the label of a user span such as "optimizer"
+    phase: str  # "forward" | "backward" | "step" | ...
+    step: int
+    start: float
+    end: float | None = None  # None: never closed (a unit reduced only by finalize_backward)
+
+
+@dataclass
+class MemorySample:
+    """Every unit's bytes by category right after one event."""
+
+    time: float
+    step: int
+    event: str  # e.g. "all_gather start blocks.0", "forward end <root>"
+    units: dict[str, dict[str, int]]  # unit name -> category -> bytes (zeros left out)
+
+    def total(self, category: str | None = None) -> int:
+        return sum(
+            nbytes
+            for per_unit in self.units.values()
+            for cat, nbytes in per_unit.items()
+            if category in (None, cat)
+        )
+
+
+@dataclass
+class CollectiveTrace:
+    """What one rank did inside one ``record_collectives`` block.
+
+    ``step`` counts training steps: it moves on at the root's first forward event (its all-gather,
+    or its forward if it has nothing to gather) after a backward has ended, so an optimizer step
+    belongs to the step whose gradients it applies.
+    """
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+    spans: list[ComputeSpan] = field(default_factory=list)
+    memory: list[MemorySample] = field(default_factory=list)
+    rank: int = 0
+    world_size: int = 1
+    step: int = 0
+    units: list = field(default_factory=list, repr=False)  # ShardedUnits sampled for memory
+    optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
+    t0: float = field(default_factory=time.perf_counter, repr=False)
+    _backward_ended: bool = field(default=False, repr=False)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # ---- called by units and the runtime -------------------------------------------------------
+
+    def record(self, kind: str, unit: str, phase: str, tensor: torch.Tensor) -> None:
+        """A unit is about to start a collective on ``tensor`` (this rank's input)."""
+        self._next_step_if(unit == "" and phase == "forward")
+        self.records.append(
+            CollectiveRecord(
+                kind, unit, phase, tensor.dtype, tensor.numel(), self.step, start=self.now()
+            )
+        )
+        self.sample(f"{kind} start {unit or '<root>'}")
+
+    def collective_done(self, unit: str, kind: str) -> None:
+        """This rank's wait on the unit's latest open ``kind`` collective returned."""
+        for r in reversed(self.records):
+            if r.unit == unit and r.kind == kind and r.end is None:
+                r.end = self.now()
+                self.sample(f"{kind} end {unit or '<root>'}")
+                return
+
+    def compute(self, unit, phase: str, edge: str) -> None:
+        """A unit's ``phase`` ("forward" or "backward") computation begins or ends (``edge``)."""
+        name = unit.name
+        if edge == "begin":
+            self._next_step_if(unit.is_root and phase == "forward")
+            self.begin(name, phase)
+        else:
+            self.end(name, phase)
+            self._backward_ended |= phase == "backward"
+
+    def _next_step_if(self, root_forward: bool) -> None:
+        if root_forward and self._backward_ended:
+            self.step += 1
+            self._backward_ended = False
+
+    def begin(self, label: str, phase: str) -> None:
+        self.spans.append(ComputeSpan(label, phase, self.step, self.now()))
+        self.sample(f"{phase} begin {label or '<root>'}")
+
+    def end(self, label: str, phase: str) -> None:
+        for s in reversed(self.spans):
+            if s.unit == label and s.phase == phase and s.end is None:
+                s.end = self.now()
+                break
+        self.sample(f"{phase} end {label or '<root>'}")
+
+    @contextlib.contextmanager
+    def span(self, label: str, phase: str = "step") -> Iterator[None]:
+        """Mark user code, e.g. ``with trace.span("optimizer"): optim.step()``."""
+        self.begin(label, phase)
+        try:
+            yield
+        finally:
+            self.end(label, phase)
+
+    def sample(self, event: str) -> None:
+        if self.units:
+            state = self.optimizer.state if self.optimizer is not None else {}
+            per_unit = {u.name: unit_nbytes(u, state) for u in self.units}
+            self.memory.append(MemorySample(self.now(), self.step, event, per_unit))
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def count(self, kind: str, phase: str | None = None, unit: str | None = None) -> int:
+        return sum(
+            r.kind == kind and phase in (None, r.phase) and unit in (None, r.unit)
+            for r in self.records
+        )
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.spans.clear()
+        self.memory.clear()
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (dtypes as names); ``from_json`` reads it back."""
+        records = []
+        for r in self.records:
+            d = asdict(r)
+            d["dtype"] = _dtype_name(r.dtype)
+            d["nbytes"] = r.nbytes
+            records.append(d)
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "memory_categories": list(MEMORY_CATEGORIES),
+            "collectives": records,
+            "spans": [asdict(s) for s in self.spans],
+            "memory": [asdict(m) for m in self.memory],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> CollectiveTrace:
+        records = []
+        for d in data["collectives"]:
+            d = {k: v for k, v in d.items() if k != "nbytes"}
+            records.append(CollectiveRecord(**{**d, "dtype": getattr(torch, d["dtype"])}))
+        return cls(
+            records=records,
+            spans=[ComputeSpan(**s) for s in data["spans"]],
+            memory=[MemorySample(**m) for m in data["memory"]],
+            rank=data["rank"],
+            world_size=data["world_size"],
+        )
+
+
+def unit_nbytes(unit, optim_state) -> dict[str, int]:
+    """One unit's bytes per MEMORY_CATEGORIES right now; see Note [Trace times and memory]."""
+    seen: set[int] = set()
+
+    def nbytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:  # 0: freed (resharded)
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    params = unit.params
+    pending = [unit._all_gather.all_gather_output] if unit._all_gather is not None else []
+    if unit._pending_reduce is not None:
+        result = unit._pending_reduce.result
+        pending += [result.input, result.output]
+    unsharded_grads = [p.unsharded_param.grad for p in params if p.unsharded_param is not None]
+    counts = {
+        "params": nbytes(p.sharded_flat for p in params),
+        "optim": nbytes(
+            t
+            for p in params
+            for t in optim_state.get(p.sharded_param, {}).values()
+            if isinstance(t, torch.Tensor)
+        ),
+        "grads": nbytes(p.sharded_param.grad for p in params),
+        "unsharded_params": nbytes(p.unsharded_flat for p in params),
+        "unsharded_grads": nbytes(unsharded_grads),
+        "comm_buffers": nbytes(pending),
+    }
+    return {k: v for k, v in counts.items() if v}
+
+
+@contextlib.contextmanager
+def record_collectives(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> Iterator[CollectiveTrace]:
+    """Record every collective, each unit's forward and backward, and memory, inside the block.
+
+    Args:
+        model: a wrapped model; every unit in it is traced.
+        optimizer: if given, its state counts as each unit's ``optim`` memory. Default None.
+
+    Returns:
+        The ``CollectiveTrace`` that fills up while the block runs (read it after).
+    """
+    wrappers = _one_owner_per_unit(model)
+    for w in wrappers:
+        lazy_init(w)
+    trace = CollectiveTrace(
+        rank=dist.get_rank() if dist.is_initialized() else 0,
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        units=[w._unit for w in wrappers],
+        optimizer=optimizer,
+    )
+    for w in wrappers:
+        w._unit.trace = trace
+    trace.sample("trace begin")
+    try:
+        yield trace
+    finally:
+        trace.sample("trace end")
+        for w in wrappers:
+            w._unit.trace = None
+
+
+def _one_owner_per_unit(model: nn.Module) -> list[nn.Module]:
+    """The wrappers in ``model``, one per unit (an FSDP2 list group is several modules, one unit)."""
+    seen, owners = set(), []
+    for owner in unit_owners(model):
+        if owner._unit not in seen:
+            seen.add(owner._unit)
+            owners.append(owner)
+    return owners
+
+
+def explain(model: nn.Module) -> str:
+    """The sharding plan of a wrapped model, one block per unit, as a table.
+
+    For each unit: its strategy, dtypes, and for each parameter its full shape, this rank's rows,
+    the padded shard numel every rank sends, and the padding. Run it on any rank; the numbers
+    are this rank's.
+    """
+    wrappers = _one_owner_per_unit(model)
+    lines = []
+    for w in wrappers:
+        lazy_init(w)
+        unit = w._unit
+        precision = unit.precision
+        dtype = next((p.sharded_flat.dtype for p in unit.params), None)
+        compute = precision.param_dtype or dtype
+        reduce = precision.reduce_dtype or compute
+        padding = sum(p.padded_numel - p.numel for p in unit.params)
+        lines.append(
+            f"unit {unit.name or '<root>'}: {w._config.strategy.name}, "
+            f"rank {unit.rank} of {unit.world_size}, {len(unit.params)} params, "
+            f"unit_shard_numel {unit.unit_shard_numel}, padding {padding}, "
+            f"shard {_dtype_name(dtype)} / compute {_dtype_name(compute)} / reduce {_dtype_name(reduce)}"
+        )
+        for p in unit.params:
+            shape = "x".join(map(str, p.orig_size)) or "scalar"
+            line = (
+                f"  {p.fqn:<28} {shape:>12}  rows {p.local_rows:>4}/{p.shard_rows:<4} "
+                f"shard_numel {p.shard_numel:>7}  padding {p.padded_numel - p.numel}"
+            )
+            if p.shard_dim:  # param.py Note [Shard dim]: the rows above are of this dim
+                line += f"  on dim {p.shard_dim}"
+            if p.tp is not None:  # the shape above is the TP-local one
+                box = ", ".join(f"{a}:{b}" for a, b in p.global_box())
+                layout = ", ".join(map(repr, p.tp.sharded_placements))
+                line += (
+                    f"  of {'x'.join(map(str, p.tp.shape))} on {p.tp.sharded_mesh.mesh_dim_names}"
+                    f" ({layout}): holds [{box}]"
+                )
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).replace("torch.", "") if dtype is not None else "-"
+
+
+# ---- figures (matplotlib, the "plot" extra) ----------------------------------------------------
+
+COLORS = {
+    "forward": "#4C72B0",
+    "backward": "#DD8452",
+    "step": "#8C8C8C",
+    "all_gather": "#55A868",
+    "reduce_scatter": "#C44E52",
+    "all_reduce": "#8172B3",
+    "params": "#4C72B0",
+    "optim": "#8C8C8C",
+    "grads": "#DD8452",
+    "unsharded_params": "#55A868",
+    "unsharded_grads": "#C44E52",
+    "comm_buffers": "#CCB974",
+}
+
+
+@dataclass
+class _Step:
+    """One step of one rank's trace, times in ms from the step's first event."""
+
+    records: list[CollectiveRecord]
+    spans: list[ComputeSpan]
+    memory: list[MemorySample]
+    t0: float
+
+    def ms(self, t: float) -> float:
+        return (t - self.t0) * 1e3
+
+
+def _one_step(trace: CollectiveTrace, step: int | None) -> _Step:
+    if step is None:
+        step = max((s.step for s in trace.spans), default=0)
+    records = [r for r in trace.records if r.step == step]
+    spans = [s for s in trace.spans if s.step == step]
+    memory = [m for m in trace.memory if m.step == step]
+    times = [r.start for r in records] + [s.start for s in spans] + [m.time for m in memory]
+    return _Step(records, spans, memory, min(times, default=0.0))
+
+
+def _figure(num_rows: int, height_per_rank: float):
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+
+    fig = Figure(figsize=(10, 0.9 + height_per_rank * num_rows), dpi=90, layout="constrained")
+    return fig, fig.subplots(num_rows, 1, sharex=True, squeeze=False)[:, 0]
+
+
+def plot_timeline(
+    traces: Sequence[CollectiveTrace], path: str | Path, step: int | None = None, title: str = ""
+) -> None:
+    """Draw each rank's compute and collectives over one step (default: the last) into a PNG.
+
+    Two rows per unit: its forward and backward spans, and the collectives it issued (from issue
+    to the end of this rank's wait, Note [Trace times and memory]); one row per user span.
+    """
+    from matplotlib.patches import Patch
+
+    steps = [_one_step(t, step) for t in traces]
+    rows: list[tuple[str, str]] = []  # (label, "compute" | "comm" | "user")
+    for s in steps:
+        for span in s.spans:
+            is_unit = span.phase in ("forward", "backward")
+            for row in (
+                [(span.unit, "compute"), (span.unit, "comm")] if is_unit else [(span.unit, "user")]
+            ):
+                if row not in rows:
+                    rows.append(row)
+        for r in s.records:  # a unit that only communicated (a state dict, summon_full_params)
+            if (r.unit, "comm") not in rows:
+                rows.append((r.unit, "comm"))
+    fig, axes = _figure(len(traces), 0.28 * len(rows) + 0.5)
+    for ax, trace, s in zip(axes, traces, steps):
+        for span in s.spans:
+            if span.end is None:
+                continue
+            kind = "user" if span.phase not in ("forward", "backward") else "compute"
+            y = rows.index((span.unit, kind))
+            ax.broken_barh(
+                [(s.ms(span.start), s.ms(span.end) - s.ms(span.start))],
+                (y - 0.4, 0.8),
+                color=COLORS.get(span.phase, COLORS["step"]),
+            )
+        for r in s.records:
+            y = rows.index((r.unit, "comm"))
+            end = r.end if r.end is not None else r.start
+            ax.broken_barh(
+                [(s.ms(r.start), max(s.ms(end) - s.ms(r.start), 0.05))],
+                (y - 0.35, 0.7),
+                color=COLORS[r.kind],
+            )
+        ax.set_yticks(
+            range(len(rows)),
+            [(label or "<root>") + ("" if kind != "comm" else " comm") for label, kind in rows],
+            fontsize=7,
+        )
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_ylabel(f"rank {trace.rank}")
+    axes[-1].set_xlabel("ms since the step's first event (each rank's own clock)")
+    kinds = ["forward", "backward", "step", "all_gather", "reduce_scatter", "all_reduce"]
+    used = {sp.phase for s in steps for sp in s.spans} | {r.kind for s in steps for r in s.records}
+    handles = [
+        Patch(color=COLORS[k], label="optimizer / user span" if k == "step" else k)
+        for k in kinds
+        if k in used
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path)
+
+
+def plot_memory(
+    traces: Sequence[CollectiveTrace], path: str | Path, step: int | None = None, title: str = ""
+) -> None:
+    """Draw each rank's bytes by category (summed over units) over one step into a PNG, stacked."""
+    steps = [_one_step(t, step) for t in traces]
+    peak = max((m.total() for s in steps for m in s.memory), default=0)
+    scale, unit = (1024**2, "MiB") if peak >= 4 * 1024**2 else (1024, "KiB")
+    fig, axes = _figure(len(traces), 1.8)
+    for ax, trace, s in zip(axes, traces, steps):
+        if not s.memory:
+            continue
+        # Step shape: each sample holds until the next event.
+        times = [s.ms(m.time) for m in s.memory]
+        xs = [x for pair in zip(times, times[1:] + times[-1:]) for x in pair]
+        stacks = []
+        for cat in MEMORY_CATEGORIES:
+            values = [m.total(cat) / scale for m in s.memory]
+            stacks.append([v for v in values for _ in (0, 1)])
+        ax.stackplot(
+            xs, stacks, labels=MEMORY_CATEGORIES, colors=[COLORS[c] for c in MEMORY_CATEGORIES]
+        )
+        top = max(s.memory, key=lambda m: m.total())
+        ax.axhline(top.total() / scale, color="black", lw=0.6, ls="--")
+        ax.annotate(
+            f"peak {top.total() / scale:.1f} {unit} at {top.event}",
+            (s.ms(top.time), top.total() / scale),
+            xytext=(4, -12),
+            textcoords="offset points",
+            fontsize=7,
+        )
+        ax.set_ylabel(f"rank {trace.rank}\n{unit}")
+        ax.set_ylim(0, peak / scale * 1.15)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("ms since the step's first event (each rank's own clock)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path)
