@@ -21,7 +21,6 @@ from fsdp_lite.api import (
     StateDictSettings,
     StateDictType,
 )
-from fsdp_lite.engine.runtime import set_collective_order_check
 from fsdp_lite.fronts.fsdp1 import FullyShardedDataParallel, FullyShardedModule
 from fsdp_lite.fronts.fsdp2 import (
     CPUOffloadPolicy,
@@ -32,19 +31,7 @@ from fsdp_lite.fronts.fsdp2 import (
     fully_shard,
     register_fsdp_forward_method,
 )
-
-# Classes are shown (reprs, messages, pickles) by their public path, not by the file that defines
-# them, as torch does for its FSDP classes.
-for _cls in (
-    CPUOffloadPolicy,
-    FSDPModule,
-    FullyShardedModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    UnshardHandle,
-):
-    _cls.__module__ = "fsdp_lite"
-del _cls
+from fsdp_lite.tools.order import set_collective_order_check
 
 __all__ = [
     "BackwardPrefetch",

@@ -2,8 +2,9 @@
 
 Names, members and field defaults mirror torch FSDP's ``api`` module, so that user code written for
 torch FSDP works after changing one import. ``STRATEGY_RULES`` is the one place that says what a
-sharding strategy keeps and how it reduces gradients; the rest of the engine reads from it instead of
-branching on the strategy.
+sharding strategy keeps and how it reduces gradients. A unit reads it when it is built, to choose
+its parameters' kind and its reduction (engine/unit.py), and reads what to keep after forward and
+backward from it at each reshard, since FSDP2's setters may change those between steps.
 """
 
 from __future__ import annotations

@@ -16,6 +16,36 @@ import torch.distributed as dist
 from fsdp_lite.engine import collectives
 from tests.ranks import run_ranks
 
+# The plain versions: one collective per parameter, no packing. Slow, obviously right: the
+# oracles the flat collectives are tested against.
+
+
+def all_gather_per_param(sharded_flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather one parameter's padded 1D shard into its padded 1D unsharded tensor."""
+    world_size = dist.get_world_size(group)
+    chunks = [torch.empty_like(sharded_flat) for _ in range(world_size)]
+    dist.all_gather(chunks, sharded_flat, group=group)
+    return torch.cat(chunks)
+
+
+def reduce_scatter_per_param(
+    unsharded_grad: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Average one gradient over ranks and return this rank's padded 1D shard of it."""
+    world_size = dist.get_world_size(group)
+    dim0 = unsharded_grad.size(0)
+    shard_rows = -(-dim0 // world_size)
+    padded = unsharded_grad.new_zeros((shard_rows * world_size, *unsharded_grad.shape[1:]))
+    padded[:dim0].copy_(unsharded_grad)
+    pre, post = collectives.grad_divide_factors(world_size)
+    padded.div_(pre)
+    summed = padded.clone()
+    dist.all_reduce(summed, group=group)
+    summed.div_(post)
+    rank = dist.get_rank(group)
+    return summed[rank * shard_rows : (rank + 1) * shard_rows].reshape(-1)
+
+
 # Uneven on purpose: 7 rows and 5 rows divide by neither 2 nor 3, (1,) has fewer rows than ranks.
 SHAPES = [(7, 3), (5,), (1,), (2, 2, 3), (4,), (3, 2)]
 SHAPE_NAMES = ["x".join(map(str, s)) for s in SHAPES]
@@ -88,9 +118,7 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
         result.all_gather_output, world_size, shard_numels, padded_unsharded
     )
     seen["flat_all_gather"] = padded_unsharded
-    seen["per_param_all_gather"] = [
-        collectives.all_gather_per_param(s, group) for s in sharded_flats
-    ]
+    seen["per_param_all_gather"] = [all_gather_per_param(s, group) for s in sharded_flats]
     async_result = collectives.all_gather(all_gather_input, group, async_op=True)
     seen["async_all_gather_works"] = len(async_result.works)
     async_result.wait()
@@ -120,9 +148,7 @@ def _collectives_on_ranks(rank: int, world_size: int) -> bytes:
     result = collectives.reduce_scatter(reduce_scatter_input, group)
     seen["reduce_scatter_works"] = len(result.works)
     seen["reduce_scatter_output"] = result.output.clone().div_(post)
-    seen["per_param_reduce_scatter"] = [
-        collectives.reduce_scatter_per_param(g, group) for g in grads
-    ]
+    seen["per_param_reduce_scatter"] = [reduce_scatter_per_param(g, group) for g in grads]
     async_result = collectives.reduce_scatter(async_input, group, async_op=True)
     # In flight: one work, or (sends on gloo) one per send and receive.
     seen["reduce_scatter_by_sends"] = async_result.received is not None

@@ -62,15 +62,14 @@ class SkippedReduceScatterAdapter(FsdpLiteAdapter):
     def case_context(self, case):
         from fsdp_lite.engine.unit import ShardedUnit
 
-        original = ShardedUnit.reduce_grads
+        original = ShardedUnit.start_reduce
 
-        def reduce_grads(unit):
+        def start_reduce(unit):
             if unit.name == STALE_UNIT:
-                unit.reduced = True  # every rank skips the same unit: no collective goes missing
-                return
-            original(unit)
+                return None  # every rank skips the same unit: no collective goes missing
+            return original(unit)
 
-        with _patched(ShardedUnit, "reduce_grads", reduce_grads):
+        with _patched(ShardedUnit, "start_reduce", start_reduce):
             yield
 
 

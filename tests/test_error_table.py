@@ -243,6 +243,12 @@ CASES: dict[str, Callable[[Ctx], object]] = {
             lambda mod: {"ignored_states": [m.fc2.bias]} if mod is m.fc2 else False
         ),
     ),
+    "policy_ignores_modules": lambda c: FSDP(
+        (m := c.mlp()),
+        auto_wrap_policy=CustomPolicy(
+            lambda mod: {"ignored_modules": [m.fc2]} if mod is m.fc2 else False
+        ),
+    ),
     "policy_mixes_hybrid": lambda c: FSDP(
         c.mlp(),
         auto_wrap_policy=CustomPolicy(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fsdp_lite import FullyShardedDataParallel as FSDP
-from fsdp_lite.engine.unit import CollectiveError
+from fsdp_lite.engine.collectives import CollectiveError
 from tests.parity import POLICIES, build_model, loss_fn, rank_batch
 from tests.ranks import run_ranks
 

@@ -52,6 +52,7 @@ def _hybrid_rank(rank: int, world_size: int, strategy_name: str, how: str) -> No
         # result across replicas.
         reductions = Counter(r.kind for r in trace.records if r.kind != "all_gather")
         assert reductions == {"reduce_scatter": units, "all_reduce": units}, trace.records
+        _assert_replicate_all_reduce_overlaps_the_next_reduce_scatter(trace.records, step)
         for name, p in fsdp.named_parameters():
             want = shard_of(ref[name].grad, shard_rank, 2)
             assert_close(local(p.grad), want, what=f"rank {rank} step {step} grad {name}", **VS_DDP)
@@ -70,6 +71,20 @@ def _hybrid_rank(rank: int, world_size: int, strategy_name: str, how: str) -> No
         sharded = fsdp.state_dict()
     some = sharded["blocks.0.qkv.weight"]
     assert some.device_mesh.ndim == 2 and some.to_local().shape[0] == some.shape[0] // 2, some
+
+
+def _assert_replicate_all_reduce_overlaps_the_next_reduce_scatter(records, step) -> None:
+    """The all-reduce across replicas does not block the host where it is issued (unit.py Note
+    [HSDP across replicas]): each one but the last is still in flight, its wait not yet
+    returned, when the next unit's reduce-scatter is issued."""
+    reductions = [r for r in records if r.kind != "all_gather"]  # in issue order
+    for i, r in enumerate(reductions):
+        following = [n for n in reductions[i + 1 :] if n.kind == "reduce_scatter"]
+        if r.kind == "all_reduce" and following:
+            assert r.end > following[0].start, (
+                f"step {step}: the all-reduce across replicas of unit {r.unit!r} was waited on "
+                f"before unit {following[0].unit!r}'s reduce-scatter was issued"
+            )
 
 
 @pytest.mark.parametrize(

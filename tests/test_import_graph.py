@@ -106,16 +106,8 @@ def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function_level_import(tmp_pa
     assert find_cycle(graph) == ["high", "low", "high"]
 
 
-# The order check still sits inside the engine's collectives; issue 22's observer slice removes
-# these two edges and this set with them.
-NOT_YET_LAYERED = {
-    "engine.collectives (engine) -> tools.order (tools)",
-    "engine.unit (engine) -> tools.order (tools)",
-}
-
-
 def test_imports_point_down_the_layers():
-    upward = sorted(set(upward_imports(import_graph())) - NOT_YET_LAYERED)
+    upward = upward_imports(import_graph())
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
 
 

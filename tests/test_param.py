@@ -18,7 +18,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_lite.engine.param import ShardedParam, alloc_storage, free_storage
+from fsdp_lite.engine.param import (
+    ReplicatedParam,
+    ShardedParam,
+    alloc_storage,
+    free_storage,
+    new_param,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +53,7 @@ def _orig_param(shape: tuple[int, ...], requires_grad: bool = True) -> nn.Parame
 
 
 def _sharded(mesh, shape, rank, world_size, requires_grad=True, name="w") -> ShardedParam:
-    return ShardedParam(
+    return new_param(
         _orig_param(shape, requires_grad), [], name, mesh, rank, world_size, shard=True
     )
 
@@ -282,10 +288,10 @@ def test_writeback_copies_this_rank_rows_into_the_shard(mesh, shape, world_size,
     assert bool((padding == 0).all()), f"{case}: writeback touched the padding: {padding.tolist()}"
 
 
-def test_set_sharded_grad_views_the_slice_then_accumulates(mesh):
+def test_land_shard_views_the_slice_then_accumulates(mesh):
     p = _sharded(mesh, (7, 3), rank=2, world_size=3)  # 1 real row, 2 padding rows
     reduce_scatter_output_slice = torch.arange(9.0)  # 1D, shard_numel
-    p.set_sharded_grad(reduce_scatter_output_slice, keep_dtype=False)
+    p.land_shard(reduce_scatter_output_slice, keep_dtype=False)
     grad = p.sharded_param.grad
     assert isinstance(grad, DTensor) and grad.placements == (Shard(0),), (
         "7x3 rank 2: grad placement"
@@ -298,9 +304,7 @@ def test_set_sharded_grad_views_the_slice_then_accumulates(mesh):
         atol=0,
         msg=lambda m: f"7x3 rank 2: first grad: {m}",
     )
-    p.set_sharded_grad(
-        torch.full((9,), 10.0), keep_dtype=False
-    )  # a second backward without no_sync adds
+    p.land_shard(torch.full((9,), 10.0), keep_dtype=False)  # a second backward without no_sync adds
     torch.testing.assert_close(
         p.sharded_param.grad.to_local(),
         torch.tensor([[10.0, 11.0, 12.0]]),
@@ -316,16 +320,18 @@ def test_set_sharded_grad_views_the_slice_then_accumulates(mesh):
 def test_zero_dim_param_raises_not_implemented_naming_the_param(mesh):
     scale = nn.Parameter(torch.tensor(2.0))
     with pytest.raises(NotImplementedError, match=r"parameter 'block\.scale' is 0-dimensional"):
-        ShardedParam(scale, [], "block.scale", mesh, rank=0, world_size=2, shard=True)
+        new_param(scale, [], "block.scale", mesh, rank=0, world_size=2, shard=True)
 
 
 @pytest.mark.parametrize("shape", [(7, 3), (1,), ()], ids=["7x3", "bias numel 1", "0-dim scalar"])
 def test_no_shard_keeps_the_original_param_whole(mesh, shape):
     orig = nn.Parameter(torch.ones(shape))
-    p = ShardedParam(orig, [], "w", mesh, rank=1, world_size=2, shard=False)
+    p = new_param(orig, [], "w", mesh, rank=1, world_size=2, shard=False)
     case = f"NO_SHARD shape {shape}"
+    assert isinstance(p, ReplicatedParam), f"{case}: built as {type(p).__name__}"
     assert p.sharded_param is orig, f"{case}: sharded_param is not the original parameter"
-    assert p.unsharded_param is None and p.unsharded_flat is None, f"{case}: has an unsharded copy"
+    assert p.unsharded_param is orig, f"{case}: forward does not run on the original parameter"
+    assert p.unsharded_flat is None, f"{case}: has an unsharded copy"
     assert p.shard_numel == p.padded_numel == p.local_numel == orig.numel(), (
         f"{case}: numels {p.shard_numel}, {p.padded_numel}, {p.local_numel}"
     )
@@ -335,7 +341,7 @@ def test_no_shard_keeps_the_original_param_whole(mesh, shape):
 def test_point_modules_to_rebinds_every_tied_location(mesh):
     first, second = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
     second.weight = first.weight  # tied
-    p = ShardedParam(
+    p = new_param(
         first.weight, [(first, "weight"), (second, "weight")], "weight", mesh, 0, 2, shard=True
     )
     p.point_modules_to(p.sharded_param)

@@ -60,6 +60,52 @@ def _ignored_module_goes_to_the_parent(rank, world_size):
         torch.testing.assert_close(states["lite"][key], value, rtol=0, atol=0, msg=key)
 
 
+def _ignored_modules_override_is_refused_as_native_does(rank, world_size):
+    """A policy's ``ignored_modules`` for a nested unit: torch FSDP1 raises (it refuses
+    ignored_modules beside the ignored_states it passes on); fsdp_lite raises the same error,
+    naming the submodule, instead of letting the parent shard the module."""
+    errors = {}
+    for name, fsdp_cls, wrap_module, extra in (
+        ("native", torch_fsdp.FullyShardedDataParallel, torch_wrap, {"device_id": CPU}),
+        ("lite", FSDP, lite_wrap, {}),
+    ):
+        model = build_model("lm")
+        policy = _blocks_policy(
+            wrap_module, lambda m: {m.blocks[1]: {"ignored_modules": [m.blocks[1].fc]}}
+        )(model)
+        with pytest.raises(ValueError) as raised:
+            fsdp_cls(model, auto_wrap_policy=policy, use_orig_params=True, **extra)
+        errors[name] = str(raised.value)
+    assert errors["native"] in errors["lite"], errors
+    assert "'blocks.1'" in errors["lite"], errors
+
+
+def _manually_nested_ignored_module_stays_unmanaged(rank, world_size):
+    """A unit wrapped by hand with ``ignored_modules``, then its parent: the parent leaves the
+    module alone too (native FSDP1 counts a nested FSDP's ignored modules as its own), so its
+    parameters keep local gradients; two training steps bitwise native FSDP1's."""
+    states = {}
+    for name, fsdp_cls, extra in (
+        ("native", torch_fsdp.FullyShardedDataParallel, {"device_id": CPU}),
+        ("lite", FSDP, {}),
+    ):
+        model = build_model("lm")
+        fc = model.blocks[1].fc
+        model.blocks[1] = fsdp_cls(
+            model.blocks[1], ignored_modules=[fc], use_orig_params=True, **extra
+        )
+        fsdp = fsdp_cls(model, use_orig_params=True, **extra)
+        if name == "lite":
+            managed = {id(p.sharded_param) for w in FSDP.fsdp_modules(fsdp) for p in w._unit.params}
+            assert id(fc.weight) not in managed and id(fc.bias) not in managed, "fc was sharded"
+        train_lm(fsdp, rank, world_size, steps=2, lr=0.1)
+        with fsdp_cls.state_dict_type(fsdp, torch_fsdp.StateDictType.FULL_STATE_DICT):
+            states[name] = fsdp.state_dict()
+    assert states["lite"].keys() == states["native"].keys()
+    for key, value in states["native"].items():
+        torch.testing.assert_close(states["lite"][key], value, rtol=0, atol=0, msg=key)
+
+
 def _prefetch_overrides_apply_per_unit(rank, world_size):
     """Root without forward prefetch, blocks.0 with it: only blocks.0's forward prefetches;
     blocks.1 with BACKWARD_POST, the rest BACKWARD_PRE (torch's objects, mapped by name)."""
@@ -72,13 +118,13 @@ def _prefetch_overrides_apply_per_unit(rank, world_size):
         },
     )(model)
     fsdp = FSDP(model, auto_wrap_policy=policy, forward_prefetch=False)
-    assert fsdp.blocks[1]._unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST
-    assert fsdp._unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
+    assert fsdp.blocks[1]._unit.settings.backward_prefetch == BackwardPrefetch.BACKWARD_POST
+    assert fsdp._unit.settings.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
     prefetched = []
     original = ShardedUnit.unshard
 
     def spy(self, phase, async_op=False):
-        if async_op and self.needs_all_gather():
+        if async_op and self.needs_unshard():
             prefetched.append((phase, self.name))
         return original(self, phase, async_op)
 
@@ -146,6 +192,8 @@ def _sync_and_init_overrides(rank, world_size):
 
 CHECKS = {
     "ignored_states": _ignored_module_goes_to_the_parent,
+    "ignored_modules": _ignored_modules_override_is_refused_as_native_does,
+    "manually_nested_ignored": _manually_nested_ignored_module_stays_unmanaged,
     "prefetch": _prefetch_overrides_apply_per_unit,
     "strategy_and_precision": _strategy_and_precision_overrides,
     "sync_and_init": _sync_and_init_overrides,

@@ -44,7 +44,7 @@ def _trace_rank(rank: int, world_size: int) -> dict:
         units = [w._unit for w in FSDP.fsdp_modules(model)]
         out[name] = {
             "trace": trace.to_json(),
-            "detached": all(u.trace is None for u in units),
+            "detached": all(o is not trace for u in units for o in u.observers),
             "unsharded_nbytes": {
                 u.name: sum(p.padded_numel * 4 for p in u.params) for u in units
             },  # fp32

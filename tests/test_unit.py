@@ -63,7 +63,7 @@ def _snapshot(unit: ShardedUnit) -> dict:
         }
     return {
         "state": unit.state.name,
-        "all_gather_in_flight": unit._all_gather is not None,
+        "all_gather_in_flight": bool(unit.buffers_in_flight()),
         "params": params,
     }
 
@@ -86,7 +86,7 @@ def _sharded_unit_scenario(rank: int) -> dict:
     units = {"root": root._unit, "inner": inner}
     trace = CollectiveTrace()
     for unit in units.values():
-        unit.trace = trace
+        unit.watch(trace)
     seen["unit_names"] = {key: unit.name for key, unit in units.items()}
 
     seen["initial"] = {key: _snapshot(unit) for key, unit in units.items()}
@@ -133,11 +133,11 @@ def _sharded_unit_scenario(rank: int) -> dict:
         "root FORWARD": _assert_state_message(root._unit, TrainingState.FORWARD),
         "inner IDLE": _assert_state_message(inner, TrainingState.IDLE),
     }
-    inner.training_state = TrainingState.BACKWARD
+    inner.enter(TrainingState.BACKWARD)
     seen["assert_state_messages"]["inner in BACKWARD, IDLE expected"] = _assert_state_message(
         inner, TrainingState.IDLE
     )
-    inner.training_state = TrainingState.IDLE
+    inner.enter(TrainingState.IDLE)
     return seen
 
 
@@ -371,14 +371,24 @@ def test_no_shard_unit_reads_the_no_shard_rules(ranks_seen):
         assert seen["no_shard"]["rules_are_no_shard"], f"rank {rank}: unit.rules is not NO_SHARD's"
 
 
-def test_no_shard_unit_stays_unsharded_holding_the_original_params(ranks_seen, full_params):
+# A NO_SHARD unit goes through the same states as a sharded one (unit.py Note [Sharded states]);
+# its "unsharded" copy is the parameter itself, so nothing moves and nothing is allocated.
+NO_SHARD_STATES = {
+    "initial": ShardedState.SHARDED,
+    "after_unshard": ShardedState.UNSHARDED,
+    "after_reshard": ShardedState.SHARDED,
+    "after_backward": ShardedState.SHARDED,
+}
+
+
+def test_no_shard_unit_always_holds_the_original_params(ranks_seen, full_params):
     for rank, seen in enumerate(ranks_seen):
         held = seen["no_shard"]["modules_hold_orig_params"]
         assert all(held.values()), f"rank {rank}: modules do not hold the original params: {held}"
-        for when in ("initial", "after_unshard", "after_reshard", "after_backward"):
+        for when, state in NO_SHARD_STATES.items():
             snapshot = seen["no_shard"][when]
-            assert snapshot["state"] == ShardedState.UNSHARDED.name, (
-                f"rank {rank} NO_SHARD {when}: {snapshot['state']}"
+            assert snapshot["state"] == state.name, (
+                f"rank {rank} NO_SHARD {when}: {snapshot['state']}, expected {state.name}"
             )
             for name, p in snapshot["params"].items():
                 where = f"rank {rank} NO_SHARD {when} param {name}"

@@ -1,28 +1,30 @@
 """Flat-buffer collectives for one unit: all-gather of parameter shards, reduce-scatter and
-all-reduce of gradients, and the factor gradients are divided by.
+all-reduce of gradients, the factor gradients are divided by, and ``CollectiveError``.
 
 Each unit packs its parameters into one flat buffer so that it pays for one collective, not one per
 parameter (``copy_in``), and unpacks the result into per-parameter tensors (``copy_out``). This file
 knows only tensors and process groups; which tensors to pass, and when, is unit.py's business. The
-per-parameter functions at the bottom are the plain versions the flat ones are tested against.
+plain per-parameter versions the flat ones are tested against live in tests/test_collectives.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from fsdp_lite.tools import order
+from fsdp_lite.engine.observe import Collective
 
 __all__ = [
     "BACKEND",
     "AllGatherResult",
+    "CollectiveError",
     "ReduceResult",
     "Transport",
     "all_gather",
@@ -30,12 +32,12 @@ __all__ = [
     "all_gather_objects",
     "all_gather_copy_in",
     "all_gather_copy_out",
-    "all_gather_per_param",
     "all_reduce",
+    "failing_as",
     "grad_divide_factors",
     "reduce_scatter",
     "reduce_scatter_copy_in",
-    "reduce_scatter_per_param",
+    "wait_each",
 ]
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
@@ -43,13 +45,31 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _wait(works: list[dist.Work], on_stall: Callable[[], None] | None, out: torch.Tensor) -> None:
-    # CPU tensors only: an accelerator's wait() queues on a stream, and waiting in a thread would
-    # make the host wait for the device (Note [Collective order] in order.py).
-    if on_stall is not None and out.device.type == "cpu":
-        order.wait(works, on_stall)
-        return
-    for work in works:
+Waiter = Callable[[Sequence[dist.Work]], None]
+
+
+class CollectiveError(RuntimeError):
+    """A unit's collective failed; the message says which, where in the step, and with whom."""
+
+
+@contextlib.contextmanager
+def failing_as(op: Collective) -> Iterator[None]:
+    """A collective that fails inside the block (a rank died, a timeout) re-raises as
+    ``CollectiveError``, naming ``op``: the collective, its unit, phase, step and group."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        ranks = dist.get_process_group_ranks(op.group)
+        raise CollectiveError(
+            f"fsdp_lite: {op.where()} failed (group of ranks {ranks}): {e}"
+        ) from e
+
+
+def wait_each(works: Sequence[dist.Work]) -> None:
+    """``work.wait()`` each of ``works``, in order."""
+    for work in works:  # in a function of its own: no loop variable outlives the wait
         work.wait()
 
 
@@ -61,9 +81,9 @@ class AllGatherResult:
     # The collective's work, or one per send and receive (all_gather_by_sends); empty once done.
     works: list[dist.Work] = field(default_factory=list)
 
-    def wait(self, on_stall: Callable[[], None] | None = None) -> torch.Tensor:
-        """``on_stall``: called each second the collective is not done (order.py; CPU only)."""
-        _wait(self.works, on_stall, self.all_gather_output)
+    def wait(self, waiter: Waiter | None = None) -> torch.Tensor:
+        """Block until the gather is done (through ``waiter`` if given: observe.Collective)."""
+        (waiter or wait_each)(self.works)
         self.works = []
         return self.all_gather_output
 
@@ -80,9 +100,9 @@ class ReduceResult:
     # ``output`` (this rank's own row).
     received: torch.Tensor | None = None
 
-    def wait(self, on_stall: Callable[[], None] | None = None) -> torch.Tensor:
-        """``on_stall`` as for ``AllGatherResult.wait``."""
-        _wait(self.works, on_stall, self.output)
+    def wait(self, waiter: Waiter | None = None) -> torch.Tensor:
+        """Block until the reduction is done (``waiter`` as for ``AllGatherResult.wait``)."""
+        (waiter or wait_each)(self.works)
         self.works = []
         if self.received is not None:
             # 2 ranks: own + peer's is the rank-order sum r0 + r1, since addition commutes
@@ -181,13 +201,11 @@ def all_gather(
     all_gather_output: torch.Tensor | None = None,
     transport: Transport | None = None,
     tag: int = _ALL_GATHER_TAG,
-    on_stall: Callable[[], None] | None = None,
 ) -> AllGatherResult:
     """Concatenate every rank's ``all_gather_input`` in rank order (into ``all_gather_output``
     if given, which may hold the input in this rank's slot: see ``all_gather_buffers``).
     ``transport`` default: ``Transport.choose`` for the group and the input's device; ``tag``
-    marks the point-to-point messages of a gather by sends (see ``p2p_tag``); ``on_stall`` is
-    what a synchronous gather's wait calls while it stalls (``AllGatherResult.wait``).
+    marks the point-to-point messages of a gather by sends (see ``p2p_tag``).
 
     2 ranks, one unit of two parameters, shard numels 2 and 1:
       rank 0 all_gather_input [a0 a1 | b0]    rank 1 all_gather_input [a2 a3 | b1]
@@ -211,7 +229,7 @@ def all_gather(
         )
         result = AllGatherResult(all_gather_output, [work] if async_op else [])
     if not async_op:
-        result.wait(on_stall)
+        result.wait()
     return result
 
 
@@ -353,32 +371,3 @@ def _object_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-# Plain versions: one collective per parameter, no packing. Slow, obviously right; test oracles.
-
-
-def all_gather_per_param(sharded_flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather one parameter's padded 1D shard into its padded 1D unsharded tensor."""
-    world_size = dist.get_world_size(group)
-    chunks = [torch.empty_like(sharded_flat) for _ in range(world_size)]
-    dist.all_gather(chunks, sharded_flat, group=group)
-    return torch.cat(chunks)
-
-
-def reduce_scatter_per_param(
-    unsharded_grad: torch.Tensor, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Average one gradient over ranks and return this rank's padded 1D shard of it."""
-    world_size = dist.get_world_size(group)
-    dim0 = unsharded_grad.size(0)
-    shard_rows = -(-dim0 // world_size)
-    padded = unsharded_grad.new_zeros((shard_rows * world_size, *unsharded_grad.shape[1:]))
-    padded[:dim0].copy_(unsharded_grad)
-    pre, post = grad_divide_factors(world_size)
-    padded.div_(pre)
-    summed = padded.clone()
-    dist.all_reduce(summed, group=group)
-    summed.div_(post)
-    rank = dist.get_rank(group)
-    return summed[rank * shard_rows : (rank + 1) * shard_rows].reshape(-1)

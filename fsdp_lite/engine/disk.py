@@ -46,7 +46,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from fsdp_lite.engine.param import with_local
+from fsdp_lite.engine.offload import with_local
 
 __all__ = ["DiskStore", "ParamFiles", "check_offload_dir", "close", "step"]
 

@@ -1,8 +1,24 @@
 """One parameter under sharding: its shard, its padding, its unsharded copy and its gradient shard.
 
-A ``ShardedParam`` is created when a unit is built and lives as long as the wrapper. It owns the
-storage of this rank's shard and of the unsharded copy, and knows which module attributes hold the
-parameter; it does not communicate (unit.py and collectives.py do).
+A ``Param`` is created when a unit is built (``new_param``) and lives as long as the wrapper. It
+owns the storage of this rank's shard and of the unsharded copy, knows which module attributes
+hold the parameter, and turns its slice of a reduced gradient into the optimizer's gradient; it
+does not communicate (unit.py and collectives.py do).
+
+Note [Parameter kinds]: what a strategy changes about one parameter is chosen once, by
+``new_param``, as its class; the unit calls the same methods on every kind.
+
+  ShardedParam         sharded strategies: 1/N rows kept; forward runs on a copy gathered by
+                       the unit's all-gather; its gradient slice lands as its rows
+                       (``land_shard``), or, from ZeRO-1's all-reduce, its rows of the whole
+                       average (``land_whole``)
+  ReplicatedParam      NO_SHARD: kept whole; forward runs on the parameter itself, so there is
+                       nothing to allocate, fill or free; the average replaces its gradient
+  ReplicatedCopyParam  NO_SHARD under a param_dtype or CPU offload: forward runs on a local copy
+                       (cast, no collective); the average is added to its gradient
+
+NO_SHARD is not a shard group of one: a ShardedParam on a 1-rank mesh would make the optimizer
+step DTensors where torch's NO_SHARD (and every client) has plain parameters.
 
 Glossary (variables, trace labels and docs use these words exactly):
 
@@ -52,7 +68,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -63,27 +79,21 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fsdp_lite.engine import offload
 
+if TYPE_CHECKING:  # disk.py builds on this file
+    from fsdp_lite.engine.disk import DiskStore, ParamFiles
+
 __all__ = [
+    "Param",
+    "ReplicatedCopyParam",
+    "ReplicatedParam",
     "ShardedParam",
     "TensorParallel",
     "alloc_storage",
     "free_storage",
+    "new_param",
     "padded_numel",
     "shard_rows",
-    "with_local",
 ]
-
-
-def with_local(like: DTensor, local: torch.Tensor) -> DTensor:
-    """A DTensor laid out like ``like`` (mesh, placements, global shape) around ``local``."""
-    return DTensor.from_local(
-        local,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -196,14 +206,16 @@ class TensorParallel:
         )
 
 
-class ShardedParam:
-    """One original parameter of a unit, sharded on dim 0 (or ``shard_dim``) across the unit's
-    process group.
+class Param:
+    """What every parameter a unit holds has, whatever its kind: its name and places in the
+    modules, its shapes, the tensor the optimizer steps (``sharded_param``) and its buffer
+    (``sharded_flat``). Built once per parameter by ``new_param``; lives as long as the unit.
 
-    With ``shard=False`` (NO_SHARD) the parameter stays whole: ``sharded_param`` is the original
-    parameter itself and there is no unsharded copy.
+    The kinds differ in how forward gets an unsharded copy and where a reduced gradient lands
+    (Note [Parameter kinds]); a unit calls the same methods on every kind, and chooses nothing.
     """
 
+    is_sharded: bool  # the kind's, for state dicts: sharded_param is 1/N of the parameter
     orig_size: torch.Size
     shard_dim: int  # the dim cut into shards: 0 unless shard_placement_fn said (Note [Shard dim])
     shard_rows: int  # rows of the shard dim each rank stores, padding included
@@ -212,11 +224,10 @@ class ShardedParam:
     local_numel: int  # local_rows * row_numel: the unpadded part of sharded_flat
     shard_numel: int  # shard_rows * row_numel: this rank's piece of the flat buffers
     padded_numel: int  # world_size * shard_numel
-    sharded_flat: torch.Tensor  # 1D, shard_numel, fp32; padding rows stay zero
-    disk_files: Any  # a disk_offload.ParamFiles under CPUOffload(offload_dir=...), else None
-    sharded_param: nn.Parameter  # DTensor Shard(0) viewing sharded_flat[:local numel]
-    unsharded_flat: torch.Tensor | None  # 1D, padded_numel; storage freed while resharded
-    unsharded_param: nn.Parameter | None  # full shape, a view of unsharded_flat
+    sharded_flat: torch.Tensor  # 1D, shard_numel; padding rows stay zero
+    disk_files: ParamFiles | None  # its files under CPUOffload(offload_dir=...), else None
+    sharded_param: nn.Parameter  # what the optimizer steps
+    tp: TensorParallel | None  # its tensor-parallel layout (Note [Tensor parallel parameters])
 
     def __init__(
         self,
@@ -226,63 +237,94 @@ class ShardedParam:
         mesh: DeviceMesh | None,
         rank: int,
         world_size: int,
-        shard: bool,
-        compute_dtype: torch.dtype | None = None,
-        storage_device: torch.device | None = None,
-        compute_device: torch.device | None = None,
-        unsharded_buffer: torch.Tensor | None = None,
-        disk: Any = None,  # a disk_offload.DiskStore (which imports this file)
-        shard_dim: int = 0,
     ) -> None:
-        if shard and orig_param.dim() == 0:
-            raise NotImplementedError(
-                f"parameter {fqn!r} is 0-dimensional; sharding on dim 0 needs at least one dim"
-            )
-        self.shard_dim = shard_dim
-        self.tp = None
-        if isinstance(orig_param, DTensor):  # Note [Tensor parallel parameters]
-            if not shard:
-                raise NotImplementedError(
-                    f"parameter {fqn!r} is a DTensor; only sharding strategies take DTensors"
-                )
-            self.tp = TensorParallel.of(orig_param, fqn, mesh, shard_dim)
         self.fqn = fqn
         self.locations = locations  # every (module, attribute) holding this parameter: tied weights
         self.requires_grad = orig_param.requires_grad
-        local = orig_param._local_tensor if self.tp is not None else orig_param
-        self.orig_size = local.size()  # the TP-local shape for a DTensor
-        self.numel = local.numel()
-        self.is_sharded = shard
         self.world_size = world_size
         self.rank = rank
         self.mesh = mesh
         # Weak, so the full-size original can be freed; still alive only if something outside the
         # unit holds it, which is how a parameter tied across two units is detected.
         self.orig_param_ref = weakref.ref(orig_param)
-        self.disk_files = disk.new_param(fqn) if disk is not None and shard else None
-        if not shard:
-            self.shard_rows = self.local_rows = self.orig_size[0] if orig_param.dim() else 1
-            self.local_shape = self.orig_size
-            self.shard_numel = self.padded_numel = self.local_numel = orig_param.numel()
-            compute = compute_device or orig_param.device
-            storage = storage_device or compute
-            if orig_param.device != storage:  # CPU offload: the whole param lives in CPU memory
-                moved = offload.new_shard(orig_param.numel(), orig_param.dtype, storage, compute)
-                orig_param.data = moved.view(self.orig_size).copy_(orig_param.data)
-            self.sharded_param = orig_param
-            self.sharded_flat = orig_param.data.view(-1)
-            self.unsharded_flat = None
-            self.unsharded_param = None
-            dtype = compute_dtype or orig_param.dtype
-            if dtype != orig_param.dtype or storage != compute:
-                # NO_SHARD under mixed precision or CPU offload: forward runs on a copy in the
-                # compute dtype on the compute device.
-                self.unsharded_flat = torch.empty(self.numel, dtype=dtype, device=compute)
-                self.unsharded_param = nn.Parameter(
-                    self.unsharded_flat.view(self.orig_size), requires_grad=self.requires_grad
-                )
-                free_storage(self.unsharded_flat)
-            return
+        self.shard_dim = 0
+        self.tp = None
+        self.disk_files = None
+
+    def point_modules_to(self, param: nn.Parameter) -> None:
+        """Make every module attribute that holds this parameter hold ``param``."""
+        for module, name in self.locations:
+            # Writing _parameters directly: setattr would reject a non-Parameter and run hooks.
+            module._parameters[name] = param
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient autograd left on the copy forward ran on (a plain tensor), dropped from
+        it: the reduction's buffer holds its data from now on."""
+        holder = self.unsharded_param
+        grad = self.local_grad(holder.grad)
+        holder.grad = None
+        return grad
+
+    def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        return grad
+
+    def reset_sharded_param(self, param_dtype: torch.dtype | None) -> bool:
+        """Take back the parameter after ``nn.Module._apply`` (``to``, ``double``, ``to_empty``...).
+
+        ``_apply`` leaves new values (maybe of a new dtype) in the module's parameter, no longer
+        in ``sharded_flat``; they go back where they belong (the same buffer when the dtype is
+        unchanged), so that the optimizer's tensor, the all-gather's input and the state dict are
+        one tensor again. Without a ``param_dtype`` the unsharded copy follows the new dtype.
+        Returns whether ``unsharded_param`` is a new tensor (hooks to register).
+        """
+        with torch.no_grad():
+            module, attr = self.locations[0]
+            current = module._parameters[attr]
+            if current is not self.sharded_param:  # _apply made a new Parameter (overwrite mode)
+                self.sharded_param = current
+                self.point_modules_to(current)
+            return self._take_back(current, param_dtype)
+
+    def _take_back(self, current: nn.Parameter, param_dtype: torch.dtype | None) -> bool:
+        raise NotImplementedError
+
+
+class ShardedParam(Param):
+    """One original parameter of a unit, sharded on dim 0 (or ``shard_dim``) across the unit's
+    process group: this rank keeps its rows in ``sharded_flat``, and forward runs on
+    ``unsharded_param``, copied out of the unit's all-gather."""
+
+    is_sharded = True
+    unsharded_flat: torch.Tensor  # 1D, padded_numel, param_dtype; storage freed while resharded
+    unsharded_param: nn.Parameter  # full shape, a view of unsharded_flat
+
+    def __init__(
+        self,
+        orig_param: nn.Parameter,
+        locations: list[tuple[nn.Module, str]],
+        fqn: str,
+        mesh: DeviceMesh | None,
+        rank: int,
+        world_size: int,
+        compute_dtype: torch.dtype | None = None,
+        storage_device: torch.device | None = None,
+        compute_device: torch.device | None = None,
+        unsharded_buffer: torch.Tensor | None = None,
+        disk: DiskStore | None = None,
+        shard_dim: int = 0,
+    ) -> None:
+        if orig_param.dim() == 0:
+            raise NotImplementedError(
+                f"parameter {fqn!r} is 0-dimensional; sharding on dim 0 needs at least one dim"
+            )
+        super().__init__(orig_param, locations, fqn, mesh, rank, world_size)
+        self.shard_dim = shard_dim
+        if isinstance(orig_param, DTensor):  # Note [Tensor parallel parameters]
+            self.tp = TensorParallel.of(orig_param, fqn, mesh, shard_dim)
+        local = orig_param._local_tensor if self.tp is not None else orig_param
+        self.orig_size = local.size()  # the TP-local shape for a DTensor
+        self.numel = local.numel()
+        self.disk_files = disk.new_param(fqn) if disk is not None else None
 
         rows = self.orig_size[shard_dim]
         row_numel = self.numel // rows if rows else 0
@@ -291,6 +333,7 @@ class ShardedParam:
         self.local_shape = _with_size(self.orig_size, shard_dim, self.local_rows)
         self.shard_numel = self.shard_rows * row_numel
         self.padded_numel = self.shard_numel * world_size
+        self.local_numel = self.local_rows * row_numel
 
         data = local.detach()
         # The shard lives on storage_device (CPU under CPUOffload); forward runs on compute_device.
@@ -299,21 +342,18 @@ class ShardedParam:
         self.sharded_flat = offload.new_shard(
             self.shard_numel, data.dtype, storage, compute, self.disk_files
         )
-        self.local_numel = self.local_rows * row_numel
         self.sharded_flat[: self.local_numel].copy_(self._block(data).reshape(-1))
         self.sharded_param = nn.Parameter(
             self._to_dtensor(self.sharded_flat[: self.local_numel]),
             requires_grad=self.requires_grad,
         )
-
         # In compute_dtype (MixedPrecision.param_dtype) when set: forward and backward run on it.
         # Meta init materializes the param inside this buffer already (construct._materialize), so
         # the unit is never allocated twice.
-        dtype = compute_dtype or data.dtype
         self.unsharded_flat = (
             unsharded_buffer
             if unsharded_buffer is not None
-            else torch.empty(self.padded_numel, dtype=dtype, device=compute)
+            else torch.empty(self.padded_numel, dtype=compute_dtype or data.dtype, device=compute)
         )
         self.unsharded_param = self._new_unsharded_param()
         free_storage(self.unsharded_flat)
@@ -345,9 +385,8 @@ class ShardedParam:
                     start = min(tp_rank * chunk, self.tp.shape[pl.dim])
                     box[pl.dim] = (start, start + self.orig_size[pl.dim])
         d = self.shard_dim
-        first = box[d][0] + self.rank * self.shard_rows if self.is_sharded else box[d][0]
-        rows = self.local_rows if self.is_sharded else self.orig_size[d]
-        box[d] = (min(first, box[d][1]), min(first + rows, box[d][1]))
+        first = box[d][0] + self.rank * self.shard_rows
+        box[d] = (min(first, box[d][1]), min(first + self.local_rows, box[d][1]))
         return box
 
     def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -382,45 +421,22 @@ class ShardedParam:
             stride=_contiguous_strides(self.orig_size),
         )
 
-    def reset_sharded_param(self, param_dtype: torch.dtype | None) -> bool:
-        """Take back the parameter after ``nn.Module._apply`` (``to``, ``double``, ``to_empty``...).
-
-        ``_apply`` leaves new values (maybe of a new dtype) in the module's parameter, no longer
-        in ``sharded_flat``; they go back into a shard buffer where they belong (the same one
-        when the dtype is unchanged), so that the optimizer's tensor, the all-gather's input and
-        the state dict are one tensor again. Without a ``param_dtype`` the unsharded copy follows
-        the new dtype. Returns whether ``unsharded_param`` is a new tensor (hooks to register).
-        """
-        with torch.no_grad():
-            return self._reset_sharded_param(param_dtype)
-
-    def _reset_sharded_param(self, param_dtype: torch.dtype | None) -> bool:
-        module, attr = self.locations[0]
-        current = module._parameters[attr]
-        if current is not self.sharded_param:  # _apply made a new Parameter (overwrite mode)
-            self.sharded_param = current
-            self.point_modules_to(current)
+    def _take_back(self, current: nn.Parameter, param_dtype: torch.dtype | None) -> bool:
         local = current._local_tensor if isinstance(current, DTensor) else current.data
-        if self.is_sharded:
-            if local.dtype != self.sharded_flat.dtype:
-                self.sharded_flat = offload.new_shard(
-                    self.shard_numel,
-                    local.dtype,
-                    self.sharded_flat.device,
-                    self.unsharded_flat.device,
-                )
-            flat = self.sharded_flat[: self.local_numel]
-            if local.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
-                flat.copy_(local.reshape(-1))
-            # What FSDP2's reset_sharded_param does: the DTensor views the shard buffer again.
-            current._local_tensor = flat.view(self.local_shape)
-        else:
-            storage = self.sharded_flat.device
-            if local.device != storage:  # CPU offload keeps the whole param in CPU memory
-                current.data = local.to(storage)
-            self.sharded_flat = current.data.view(-1)
-        dtype = param_dtype or local.dtype
-        if self.unsharded_flat is None or self.unsharded_flat.dtype == dtype:
+        if local.dtype != self.sharded_flat.dtype:
+            self.sharded_flat = offload.new_shard(
+                self.shard_numel, local.dtype, self.sharded_flat.device, self.unsharded_flat.device
+            )
+        flat = self.sharded_flat[: self.local_numel]
+        if local.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            flat.copy_(local.reshape(-1))
+        # What FSDP2's reset_sharded_param does: the DTensor views the shard buffer again.
+        current._local_tensor = flat.view(self.local_shape)
+        return self._follow_dtype(param_dtype or local.dtype)
+
+    def _follow_dtype(self, dtype: torch.dtype) -> bool:
+        """A new unsharded copy in ``dtype`` if the old one is in another (see _take_back)."""
+        if self.unsharded_flat.dtype == dtype:
             return False
         old = self.unsharded_param
         self.unsharded_flat = torch.empty(
@@ -438,13 +454,7 @@ class ShardedParam:
     def free_unsharded(self) -> None:
         free_storage(self.unsharded_flat)
 
-    def point_modules_to(self, param: nn.Parameter) -> None:
-        """Make every module attribute that holds this parameter hold ``param``."""
-        for module, name in self.locations:
-            # Writing _parameters directly: setattr would reject a non-Parameter and run hooks.
-            module._parameters[name] = param
-
-    def set_sharded_grad(self, reduce_scatter_output_slice: torch.Tensor, keep_dtype: bool) -> None:
+    def land_shard(self, reduce_scatter_output_slice: torch.Tensor, keep_dtype: bool) -> None:
         """Turn this parameter's slice of ``reduce_scatter_output`` into ``sharded_param.grad``.
 
         The grad takes the shard's (full precision) dtype unless ``keep_dtype``
@@ -462,6 +472,11 @@ class ShardedParam:
             self.sharded_param.grad = grad
         else:
             self.sharded_param.grad += grad
+
+    def land_whole(self, averaged_grad: torch.Tensor, keep_dtype: bool) -> None:
+        """ZeRO-1: every rank holds the whole averaged gradient; this rank's rows become its
+        ``sharded_param.grad`` (a view for shard dim 0)."""
+        self.land_shard(self.rows_of(averaged_grad), keep_dtype)
 
     def _block(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the shard dim of a full-shape tensor (a view; a slice clamps, so
@@ -532,6 +547,196 @@ class ShardedParam:
     def writeback(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of a full-shape tensor into the shard (after summon_full_params)."""
         self.sharded_flat[: self.local_numel].copy_(self._block(full.detach()).reshape(-1))
+
+
+class ReplicatedParam(Param):
+    """A NO_SHARD parameter: every rank holds it whole, ``sharded_param`` is the original
+    parameter itself, and forward runs on it (it is its own unsharded copy)."""
+
+    is_sharded = False
+
+    def __init__(
+        self,
+        orig_param: nn.Parameter,
+        locations: list[tuple[nn.Module, str]],
+        fqn: str,
+        mesh: DeviceMesh | None,
+        rank: int,
+        world_size: int,
+        storage_device: torch.device | None = None,
+    ) -> None:
+        if isinstance(orig_param, DTensor):
+            raise NotImplementedError(
+                f"parameter {fqn!r} is a DTensor; only sharding strategies take DTensors"
+            )
+        super().__init__(orig_param, locations, fqn, mesh, rank, world_size)
+        self.orig_size = orig_param.size()
+        self.numel = orig_param.numel()
+        self.shard_rows = self.local_rows = self.orig_size[0] if orig_param.dim() else 1
+        self.local_shape = self.orig_size
+        self.shard_numel = self.padded_numel = self.local_numel = self.numel
+        storage = storage_device or orig_param.device
+        if orig_param.device != storage:  # CPU offload: the whole param lives in CPU memory
+            moved = offload.new_shard(self.numel, orig_param.dtype, storage, storage)
+            orig_param.data = moved.view(self.orig_size).copy_(orig_param.data)
+        self.sharded_param = orig_param
+        self.sharded_flat = orig_param.data.view(-1)
+
+    @property
+    def unsharded_param(self) -> nn.Parameter:
+        return self.sharded_param
+
+    @property
+    def unsharded_flat(self) -> None:
+        return None  # nothing of its own to allocate or free
+
+    def alloc_unsharded(self) -> None:
+        """Nothing to allocate: forward runs on the parameter itself."""
+
+    def free_unsharded(self) -> None:
+        """Nothing to free: the parameter is what the optimizer steps."""
+
+    def fill_unsharded(self) -> None:
+        """Nothing to fill: forward runs on the parameter itself."""
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient autograd accumulated on the parameter; it stays there, and the average
+        is written into it (``land_whole``), as DDP does."""
+        return self.sharded_param.grad
+
+    def land_whole(self, averaged_grad: torch.Tensor, keep_dtype: bool) -> None:
+        """The averaged gradient, in the parameter's own dtype (forward ran in it), written
+        over what autograd accumulated (which is in the average); a parameter unused on this
+        rank gets it as a new grad."""
+        average = averaged_grad.view(self.orig_size)
+        if self.sharded_param.grad is None:
+            self.sharded_param.grad = average.to(self.sharded_param.dtype)
+        else:
+            self.sharded_param.grad.copy_(average)
+
+    def _take_back(self, current: nn.Parameter, param_dtype: torch.dtype | None) -> bool:
+        storage = self.sharded_flat.device
+        if current.device != storage:  # CPU offload keeps the whole param in CPU memory
+            current.data = current.data.to(storage)
+        self.sharded_flat = current.data.view(-1)
+        return False
+
+
+class ReplicatedCopyParam(ReplicatedParam):
+    """A NO_SHARD parameter whose forward runs on a copy: in ``MixedPrecision.param_dtype``, or on
+    the compute device when CPU offload keeps the parameter in CPU memory. The copy is refilled
+    locally (a cast, no collective) before each forward."""
+
+    def __init__(
+        self,
+        orig_param: nn.Parameter,
+        locations: list[tuple[nn.Module, str]],
+        fqn: str,
+        mesh: DeviceMesh | None,
+        rank: int,
+        world_size: int,
+        compute_dtype: torch.dtype,
+        storage_device: torch.device,
+        compute_device: torch.device,
+    ) -> None:
+        super().__init__(orig_param, locations, fqn, mesh, rank, world_size, storage_device)
+        self._unsharded_flat = torch.empty(self.numel, dtype=compute_dtype, device=compute_device)
+        self._unsharded_param = nn.Parameter(
+            self._unsharded_flat.view(self.orig_size), requires_grad=self.requires_grad
+        )
+        free_storage(self._unsharded_flat)
+
+    @property
+    def unsharded_param(self) -> nn.Parameter:
+        return self._unsharded_param
+
+    @property
+    def unsharded_flat(self) -> torch.Tensor:
+        return self._unsharded_flat
+
+    def alloc_unsharded(self) -> None:
+        alloc_storage(self._unsharded_flat, self.numel * self._unsharded_flat.element_size())
+
+    def free_unsharded(self) -> None:
+        free_storage(self._unsharded_flat)
+
+    def fill_unsharded(self) -> None:
+        """Cast the parameter into its copy (autograd saved the copy: keep its version)."""
+        self.alloc_unsharded()
+        with (
+            torch.no_grad(),
+            torch.autograd._unsafe_preserve_version_counter(self._unsharded_param),
+        ):
+            self._unsharded_param.copy_(self.sharded_param)
+
+    take_unsharded_grad = Param.take_unsharded_grad  # the copy's, dropped from it
+
+    def land_whole(self, averaged_grad: torch.Tensor, keep_dtype: bool) -> None:
+        """The averaged gradient of the copy, moved to the parameter's device and, unless
+        ``keep_dtype``, cast to its dtype; added to a gradient already there (the copy's
+        gradient is fresh each backward, so accumulation happens here)."""
+        grad = offload.to_device(averaged_grad.view(self.orig_size), self.sharded_flat.device)
+        if not keep_dtype:
+            grad = grad.to(self.sharded_param.dtype)
+        elif grad.dtype != self.sharded_param.dtype:
+            self.sharded_param.grad_dtype = None  # torch refuses another dtype otherwise
+        if self.sharded_param.grad is None:
+            self.sharded_param.grad = grad
+        else:
+            self.sharded_param.grad += grad
+
+    def _take_back(self, current: nn.Parameter, param_dtype: torch.dtype | None) -> bool:
+        super()._take_back(current, param_dtype)
+        dtype = param_dtype or current.dtype
+        if self._unsharded_flat.dtype == dtype:
+            return False
+        old = self._unsharded_param
+        self._unsharded_flat = torch.empty(
+            self.numel, dtype=dtype, device=self._unsharded_flat.device
+        )
+        self._unsharded_param = nn.Parameter(
+            self._unsharded_flat.view(self.orig_size), requires_grad=self.requires_grad
+        )
+        if old.grad is not None:  # accumulated under no_sync: it follows the dtype too
+            self._unsharded_param.grad = old.grad.to(dtype)
+        free_storage(self._unsharded_flat)
+        return True
+
+
+def new_param(
+    orig_param: nn.Parameter,
+    locations: list[tuple[nn.Module, str]],
+    fqn: str,
+    mesh: DeviceMesh | None,
+    rank: int,
+    world_size: int,
+    shard: bool,
+    compute_dtype: torch.dtype | None = None,
+    storage_device: torch.device | None = None,
+    compute_device: torch.device | None = None,
+    unsharded_buffer: torch.Tensor | None = None,
+    disk: DiskStore | None = None,
+    shard_dim: int = 0,
+) -> Param:
+    """The kind of ``orig_param`` the strategy and its dtypes and devices call for (Note
+    [Parameter kinds]), built: the one place the kind is chosen."""
+    common = (orig_param, locations, fqn, mesh, rank, world_size)
+    if shard:
+        return ShardedParam(
+            *common,
+            compute_dtype=compute_dtype,
+            storage_device=storage_device,
+            compute_device=compute_device,
+            unsharded_buffer=unsharded_buffer,
+            disk=disk,
+            shard_dim=shard_dim,
+        )
+    compute = compute_device or orig_param.device
+    storage = storage_device or compute
+    dtype = compute_dtype or orig_param.dtype
+    if dtype != orig_param.dtype or storage != compute:
+        return ReplicatedCopyParam(*common, dtype, storage, compute)
+    return ReplicatedParam(*common, storage)
 
 
 def _with_size(shape: torch.Size, dim: int, size: int) -> torch.Size:

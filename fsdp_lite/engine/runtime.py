@@ -34,7 +34,9 @@ its ops, and so through its frozen weights (found by tests/test_properties.py).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -42,9 +44,16 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_lite.api import BackwardPrefetch
-from fsdp_lite.engine.param import ShardedParam
-from fsdp_lite.engine.streams import side_streams
-from fsdp_lite.engine.unit import ShardedState, ShardedUnit, TrainingState, owns_unit, unit_owners
+from fsdp_lite.engine.param import Param
+from fsdp_lite.engine.streams import SideStreams, side_streams
+from fsdp_lite.engine.unit import (
+    PendingReduce,
+    ShardedState,
+    ShardedUnit,
+    TrainingState,
+    owns_unit,
+    unit_owners,
+)
 from fsdp_lite.names import clean_name
 
 __all__ = [
@@ -54,7 +63,6 @@ __all__ = [
     "lazy_init",
     "prepare_apply",
     "register_grad_hooks",
-    "set_collective_order_check",
     "take_back_after_apply",
     "to_rest",
 ]
@@ -71,13 +79,6 @@ def eager(fn: Callable) -> Callable:
     return torch._dynamo.disable(fn, recursive=True, reason="fsdp_lite runs its hooks eagerly")
 
 
-def set_collective_order_check(module: nn.Module, enabled: bool) -> None:
-    """Turn the collective-order check (fsdp_lite/tools/order.py) on or off for every unit in
-    ``module``'s tree, of either front. On by default."""
-    for owner in unit_owners(module):
-        owner._unit.order_check = bool(enabled)
-
-
 @eager
 def lazy_init(root: nn.Module) -> StepRuntime:
     """The runtime of ``root``'s unit and every unit under it, built the first time one runs.
@@ -88,31 +89,30 @@ def lazy_init(root: nn.Module) -> StepRuntime:
     if root._unit.runtime is not None:
         return root._unit.runtime
     owners = [(name, m) for name, m in root.named_modules() if owns_unit(m)]
-    for name, owner in reversed(owners):  # a unit owned by several modules (FSDP2's list
-        owner._unit.is_root = False  # groups) is named by the first of them, in pre-order
-        owner._unit.name = clean_name(name)
-    root._unit.is_root = True
-    # children before parents, each unit once
+    # A unit owned by several modules (FSDP2's list groups) is named by the first of them, in
+    # pre-order; units are listed children before parents, each once.
+    names = {owner._unit: clean_name(name) for name, owner in reversed(owners)}
     units = list(dict.fromkeys(owner._unit for _, owner in reversed(owners)))
-    runtime = StepRuntime(units)
-    shared = side_streams(root._unit.compute_device)  # None on CPU
+    runtime = StepRuntime(units, root._unit, side_streams(root._unit.compute_device))
     for unit in units:
-        unit.streams = shared
-        unit.runtime = runtime
+        unit.attach(runtime, names[unit])
     return runtime
 
 
-def register_grad_hooks(unit: ShardedUnit, params: Sequence[ShardedParam]) -> None:
+def register_grad_hooks(unit: ShardedUnit, params: Sequence[Param]) -> None:
     """Count each trainable param's gradient where autograd leaves it (Note [Post-backward by
     gradient count]); a hook before the runtime exists does nothing."""
     for p in params:
-        grad_holder = p.unsharded_param if p.unsharded_param is not None else p.sharded_param
-        if p.requires_grad:
-            grad_holder.register_post_accumulate_grad_hook(functools.partial(_grad_ready, unit))
+        if p.requires_grad:  # autograd leaves the gradient on the copy forward ran on
+            # Weakly: torch keeps the hook where Python's collector cannot see the cycle back
+            # to the unit, so a strong reference would keep every dropped model alive.
+            hook = functools.partial(_grad_ready, weakref.ref(unit))
+            p.unsharded_param.register_post_accumulate_grad_hook(hook)
 
 
-def _grad_ready(unit: ShardedUnit, _param: torch.Tensor) -> None:
-    if unit.runtime is not None:
+def _grad_ready(unit_ref: weakref.ref[ShardedUnit], _param: torch.Tensor) -> None:
+    unit = unit_ref()
+    if unit is not None and unit.runtime is not None:
         unit.runtime.on_grad_ready(unit)
 
 
@@ -138,7 +138,7 @@ def to_rest(wrapper: nn.Module) -> None:
             f"unit {unit.name or '<root>'!r}: state dicts are taken between steps, not inside "
             f"forward, backward or summon_full_params (state {unit.training_state.name})"
         )
-    if unit.uses_unsharded_copy and unit.state == ShardedState.UNSHARDED:
+    if unit.state == ShardedState.UNSHARDED:
         unit.reshard()
 
 
@@ -183,21 +183,33 @@ def take_back_after_apply(unit: ShardedUnit, fn: Callable[[torch.Tensor], torch.
     precision = unit.precision
     replaced = [p for p in unit.params if p.reset_sharded_param(precision.param_dtype)]
     register_grad_hooks(unit, replaced)
-    unit.after_apply()
-    for (m, name), dtype in list(unit.buffer_dtypes.items()):
-        # Buffers were cast by _apply too: their full-precision dtype follows the call, and
-        # under MixedPrecision.buffer_dtype they compute in that dtype again.
-        unit.buffer_dtypes[(m, name)] = fn(torch.empty(0, dtype=dtype)).dtype
-        buf = m._buffers.get(name)
-        if buf is not None and precision.buffer_dtype is not None and buf.is_floating_point():
-            m._buffers[name] = buf.to(precision.buffer_dtype)
+    unit.after_apply(fn)
+
+
+@dataclass
+class _BackwardRecord:
+    """What one backward has done with one unit; the runtime's, dropped at the end of backward."""
+
+    num_grads_ready: int = 0  # trainable params whose gradient is in (Note [Post-backward by ...])
+    ran_pre_backward: bool = False
+    ran_post_backward: bool = False
+    input_grads_pending: int = 0  # forwards whose inputs' gradients are not in yet
+    inputs_hooked: bool = False  # some forward's inputs carry a gradient hook this backward
+    reduced: bool = False  # its reduction was started
 
 
 class StepRuntime:
-    """Per-step scheduling for one root and its units; built at the root's first forward."""
+    """Per-step scheduling for one root and its units; built at the root's first forward. It
+    owns what happens in a step: the order units ran in, the per-backward records, the gradient
+    reductions in flight, and the step counter."""
 
-    def __init__(self, units: list[ShardedUnit]) -> None:
+    def __init__(
+        self, units: list[ShardedUnit], root: ShardedUnit, streams: SideStreams | None
+    ) -> None:
         self.units = units  # children before parents: the order ranks agree on at finalize
+        self.root = root
+        self.streams = streams  # on accelerators: the all-gather and reduce side streams
+        self.step = 1  # the training step (1-based) a collective belongs to, for error messages
         self.forward_order: list[ShardedUnit] = []  # pre_forward order of the first step
         self._position: dict[ShardedUnit, int] = {}  # unit -> index in forward_order, for the hooks
         # post_forward order of the first step; backward needs units in its reverse (Note
@@ -206,8 +218,29 @@ class StepRuntime:
         self._post_position: dict[ShardedUnit, int] = {}
         self._recording_order = True
         self._callback_queued = False
-        self._reducing: ShardedUnit | None = None  # the latest unit whose reduction is in flight
-        self.step = 1  # the training step (1-based) a collective belongs to, for error messages
+        self._backward: dict[ShardedUnit, _BackwardRecord] = {}  # this backward's, per unit
+        # Reductions in flight, oldest first: each advances at the next landing (post_backward
+        # of another unit, or finalize), so it overlaps that unit's gradient computation.
+        self._in_flight: list[PendingReduce] = []
+        # Units whose backwards left gradients unreduced (no gradient sync), for
+        # reduce_after_backward.
+        self._unreduced: set[ShardedUnit] = set()
+
+    def record(self, unit: ShardedUnit) -> _BackwardRecord:
+        """``unit``'s record of the current backward (a fresh one before it begins)."""
+        rec = self._backward.get(unit)
+        if rec is None:
+            rec = self._backward[unit] = _BackwardRecord()
+        return rec
+
+    def buffers_in_flight(self, unit: ShardedUnit) -> list[torch.Tensor]:
+        """The buffers of ``unit``'s reductions in flight, for the trace's memory accounting."""
+        return [
+            t
+            for pending in self._in_flight
+            if pending.unit is unit
+            for t in (pending.result.input, pending.result.output)
+        ]
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -222,17 +255,16 @@ class StepRuntime:
             return args, kwargs
         unit.assert_state(TrainingState.IDLE)
         self._record_order(self.forward_order, self._position, unit)
-        if unit.post_optim_event is not None:
+        event = unit.settings.take_post_optim_event()
+        if event is not None:
             # Queue the gather after the optimizer step that recorded it, not after everything.
-            unit.post_optim_event.wait()
-            unit.post_optim_event = None
-        unit.training_state = TrainingState.FORWARD
+            event.wait()
+        unit.enter(TrainingState.FORWARD)
         unit.unshard("forward")
         unit.wait_for_unshard()
-        if unit.forward_prefetch or unit.forward_prefetch_units is not None:
+        if unit.settings.forward_prefetch or unit.settings.forward_prefetch_units is not None:
             self._prefetch(unit, step=+1, phase="forward")
-        if unit.trace is not None:
-            unit.trace.compute(unit, "forward", "begin")
+        unit.computes("forward", "begin")
         if unit.keeps_frozen_unsharded and torch.is_grad_enabled():
             args, kwargs = self._hook_input_grads(unit, args, kwargs)
         return args, kwargs
@@ -247,13 +279,15 @@ class StepRuntime:
         done = functools.partial(self._after_input_grads, unit)
         for i, t in zip(slots, _InputGradsReady.apply(done, *(flat[i] for i in slots))):
             flat[i] = t
-        unit.input_grads_pending += 1
-        unit.inputs_hooked = True
+        rec = self.record(unit)
+        rec.input_grads_pending += 1
+        rec.inputs_hooked = True
         return tree_unflatten(flat, spec)
 
     def _after_input_grads(self, unit: ShardedUnit) -> None:
-        unit.input_grads_pending -= 1
-        if unit.input_grads_pending == 0 and (unit.ran_post_backward or not unit.trainable):
+        rec = self.record(unit)
+        rec.input_grads_pending -= 1
+        if rec.input_grads_pending == 0 and (rec.ran_post_backward or not unit.trainable):
             unit.reshard()
 
     @eager
@@ -261,17 +295,21 @@ class StepRuntime:
         if unit.training_state == TrainingState.BACKWARD:
             return output  # a recompute (see pre_forward): backward goes on with these params
         unit.assert_state(TrainingState.FORWARD)
-        if unit.trace is not None:
-            unit.trace.compute(unit, "forward", "end")
+        unit.computes("forward", "end")
         self._record_order(self.post_forward_order, self._post_position, unit)
         grad_enabled = torch.is_grad_enabled()
         # The root's params are needed first thing in backward, so it keeps them (as torch does).
-        keeps = unit.is_root and unit.root_keeps_params
+        keeps = unit.is_root and unit.settings.root_keeps_params
         if not grad_enabled or (unit.rules.reshard_after_forward and not keeps):
             unit.reshard(after_forward=grad_enabled)
-        unit.training_state = TrainingState.IDLE
+        unit.enter(TrainingState.IDLE)
         if grad_enabled:
             self.register_pre_backward(unit, output)
+        if unit.is_root:
+            # An all-gather prefetched for a unit whose forward did not come (a forward that
+            # skips it) lands now: nothing stays in flight past the root's forward.
+            for other in self.units:
+                other.land_unused_prefetch()
         return output
 
     # ---- backward ----------------------------------------------------------------------------
@@ -284,67 +322,93 @@ class StepRuntime:
                 t.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
 
     def pre_backward(self, unit: ShardedUnit) -> None:
-        if unit.ran_pre_backward:  # another output of the same unit already triggered it
+        rec = self.record(unit)
+        if rec.ran_pre_backward:  # another output of the same unit already triggered it
             return
         unit.assert_state(TrainingState.IDLE)
-        unit.ran_pre_backward = True
+        rec.ran_pre_backward = True
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self.finalize_backward)
             self._callback_queued = True
-        unit.training_state = TrainingState.BACKWARD
-        if unit.unshard_in_backward:  # FSDP2's set_unshard_in_backward(False): e.g. an embedding
+        unit.enter(TrainingState.BACKWARD)
+        settings = unit.settings
+        if settings.unshard_in_backward:  # FSDP2's set_unshard_in_backward(False): an embedding
             unit.unshard("backward")
             unit.wait_for_unshard()
-        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE or unit.backward_prefetch_units:
+        if (
+            settings.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
+            or settings.backward_prefetch_units
+        ):
             self._prefetch(unit, step=-1, phase="backward")
-        if unit.trace is not None:
-            unit.trace.compute(unit, "backward", "begin")
+        unit.computes("backward", "begin")
 
     def on_grad_ready(self, unit: ShardedUnit) -> None:
         """Called once per trainable parameter per backward; see Note [Post-backward by gradient count]."""
-        unit.num_grads_ready += 1
-        if unit.num_grads_ready == len(unit.trainable):
+        rec = self.record(unit)
+        rec.num_grads_ready += 1
+        if rec.num_grads_ready == len(unit.trainable):
             self.post_backward(unit)
 
     def post_backward(self, unit: ShardedUnit) -> None:
-        if unit.trace is not None:
-            unit.trace.compute(unit, "backward", "end")
-        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+        rec = self.record(unit)
+        unit.computes("backward", "end")
+        if unit.settings.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch(unit, step=-1, phase="backward")
-        if unit.requires_gradient_sync and unit.trainable:
-            # A reduction in flight holds its unit's whole gradient buffer until it lands. The
-            # previous one has had this unit's whole backward to finish: land it before packing
-            # this one, so one such buffer is alive at a time, not the whole model's.
-            if self._reducing is not None:
-                self._reducing.finish_reduce()
-            unit.reduce_grads()
-            self._reducing = unit
-        unit.ran_post_backward = True
+        if unit.settings.requires_gradient_sync and unit.trainable:
+            self._reduce(unit)
+        rec.ran_post_backward = True
         # Frozen unsharded params (Note [Frozen parameters in a unit]): free them once the
         # inputs' gradients are in (_after_input_grads), or, if no input carries a gradient, only
         # at the end of backward: nested units' gradients still flow through this unit's ops.
-        waits = unit.input_grads_pending > 0 or (
-            unit.keeps_frozen_unsharded and not unit.inputs_hooked
+        waits = rec.input_grads_pending > 0 or (
+            unit.keeps_frozen_unsharded and not rec.inputs_hooked
         )
         if not waits:
             unit.reshard()
-        unit.training_state = TrainingState.IDLE
+        unit.enter(TrainingState.IDLE)
+
+    def _reduce(self, unit: ShardedUnit) -> None:
+        """Start ``unit``'s gradient reduction, after advancing those in flight.
+
+        A reduction in flight holds its unit's whole gradient buffer until it lands. The previous
+        one has had this unit's whole backward to finish: advance it before packing this one, so
+        one such buffer is alive at a time, not the whole model's.
+        """
+        self._advance_in_flight()
+        self._start_reduce(unit)
+
+    def _start_reduce(self, unit: ShardedUnit) -> None:
+        pending = unit.start_reduce()
+        if pending is not None:
+            self._in_flight.append(pending)
+        self.record(unit).reduced = True
+        self._unreduced.discard(unit)
+
+    def _advance_in_flight(self) -> None:
+        """Advance every reduction in flight one collective, oldest first (unit.advance_reduce)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for pending in in_flight:
+            following = pending.unit.advance_reduce(pending)
+            if following is not None:
+                self._in_flight.append(following)
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what the hooks could not, land every gradient, reshard all."""
         for unit in self.units:
-            needs_reduce = unit.ran_pre_backward or unit.num_grads_ready > 0
-            if unit.requires_gradient_sync and needs_reduce and not unit.reduced:
-                unit.reduce_grads()
-            elif needs_reduce and unit.trainable and not unit.requires_gradient_sync:
-                unit.grads_unreduced = True
+            rec = self.record(unit)
+            needs_reduce = rec.ran_pre_backward or rec.num_grads_ready > 0
+            if unit.settings.requires_gradient_sync and needs_reduce and not rec.reduced:
+                self._start_reduce(unit)
+            elif needs_reduce and unit.trainable and not unit.settings.requires_gradient_sync:
+                self._unreduced.add(unit)
+        while self._in_flight:
+            self._advance_in_flight()
         for unit in self.units:
-            unit.finish_reduce()
             unit.reshard()
-            unit.reset_backward()
-        self._reducing = None
+            unit.end_of_backward()
+        self._backward.clear()
         self._callback_queued = False
-        if all(unit.is_last_backward for unit in self.units):
+        if all(unit.settings.is_last_backward for unit in self.units):
             self._recording_order = False
             self.step += 1
 
@@ -353,11 +417,12 @@ class StepRuntime:
         for a unit with none (every backward synced). torch's pipelining calls this (as FSDP2's
         ``post_backward``) once a step's microbatch backwards ran without gradient sync;
         ``finalize_backward`` lands the reductions. Ranks call it for units in the same order."""
-        if unit.requires_gradient_sync and unit.grads_unreduced and not unit.reduced:
-            if self._reducing is not None:
-                self._reducing.finish_reduce()
-            unit.reduce_grads()
-            self._reducing = unit
+        if (
+            unit.settings.requires_gradient_sync
+            and unit in self._unreduced
+            and not self.record(unit).reduced
+        ):
+            self._reduce(unit)
         unit.reshard()
 
     # ---- prefetch ----------------------------------------------------------------------------
@@ -374,7 +439,8 @@ class StepRuntime:
         """Start the all-gather of the unit that runs next: the next in forward order (step +1),
         or in backward order, the reverse of post-forward order (step -1); or of the units set
         explicitly (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch)."""
-        explicit = unit.forward_prefetch_units if step > 0 else unit.backward_prefetch_units
+        settings = unit.settings
+        explicit = settings.forward_prefetch_units if step > 0 else settings.backward_prefetch_units
         if explicit is not None:
             targets = explicit
         else:
@@ -386,9 +452,11 @@ class StepRuntime:
             index = position[unit] + step if unit in position else -1
             targets = [order[index]] if 0 <= index < len(order) else []
         for target in targets:
-            if phase == "backward" and (target.ran_pre_backward or not target.unshard_in_backward):
+            if phase == "backward" and (
+                self.record(target).ran_pre_backward or not target.settings.unshard_in_backward
+            ):
                 continue  # its backward already ran (BACKWARD_POST from the root, at the end)
-            if target.needs_all_gather():
+            if target.needs_unshard():
                 target.unshard(phase, async_op=True)
 
 

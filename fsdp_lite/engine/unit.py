@@ -1,9 +1,29 @@
-"""One unit: the parameters of one wrapped module, and their state machine.
+"""One unit: the parameters of one wrapped module, which copy of them the modules see, and the
+collectives that move them.
 
-A unit moves its parameters between the sharded and the unsharded copy (``unshard``,
-``wait_for_unshard``, ``reshard``) and averages their gradients (``reduce_grads``,
-``finish_reduce``), one flat collective each. It decides nothing about *when*: runtime.py calls it
-from the hooks. Only ``_to_sharded`` and ``_to_unsharded`` change ``ShardedState``.
+A unit moves its parameters between the states of Note [Sharded states] (``unshard``,
+``wait_for_unshard``, ``reshard``) and averages their gradients (``start_reduce``, then
+``advance_reduce`` until it lands), one flat collective each. It decides nothing about *when*:
+runtime.py calls it from the hooks and holds what one backward has in flight. The unit owns what
+its shards are; only this file assigns a unit's fields. What differs between strategies is chosen
+once, when the unit is built: the kind of each parameter (param.py Note [Parameter kinds]), how
+the unsharded copies are made (``_fill_unsharded``) and how gradients are reduced (``Reduction``).
+
+Note [Sharded states]: which copy of the parameters the modules hold, and what is allocated.
+
+  SHARDED               the 1/N shards only; modules hold sharded_param
+  UNSHARDED             the unsharded params too; modules hold unsharded_param
+  SHARDED_POST_FORWARD  hpZ between forward and backward: modules hold sharded_param, and this
+                        rank also keeps its block of N/k gathered rows (Note [Post-forward shards])
+
+  SHARDED --unshard + wait_for_unshard--> UNSHARDED --reshard--> SHARDED
+  UNSHARDED --reshard(after_forward) with a post-forward group--> SHARDED_POST_FORWARD
+  SHARDED_POST_FORWARD --unshard (gathers the blocks within k ranks)--> UNSHARDED
+  SHARDED_POST_FORWARD --reshard / end of backward (drops the block)--> SHARDED
+
+Only ``_to_sharded``, ``_to_unsharded`` and ``_to_sharded_post_forward`` change the state. A
+NO_SHARD unit goes through the same states; its "unsharded" copy is the parameter itself (or a
+local cast of it), so the transitions move nothing.
 
 Note [Unused parameters]: a parameter unused in this forward has no gradient on this rank, but it
 may have one on another. Every rank must join the same collective, so it contributes zeros, and
@@ -19,14 +39,22 @@ optimizer state. The step changes the shards in place, which bumps their version
 forward sees the counters moved and all-gathers into the kept unsharded params, or, if nothing
 moved, points the modules back at them with no collective. Any in-place change to the shards (a
 loaded state dict, a manual edit under no_grad) is picked up the same way, with no optimizer hook.
+
+Note [HSDP across replicas]: under HYBRID_SHARD a gradient is reduce-scattered within the shard
+group, then its 1/N slice is all-reduced across the replicas. That all-reduce is issued when the
+reduce-scatter lands and waited only at the next landing (the next unit's post-backward, or the
+end of backward), so it overlaps a unit's gradient computation as the reduce-scatter does, instead
+of blocking the host at the landing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,25 +64,24 @@ from fsdp_lite.api import BackwardPrefetch, Rules
 from fsdp_lite.engine import collectives, offload
 from fsdp_lite.engine.collectives import AllGatherResult, ReduceResult
 from fsdp_lite.engine.mixed_precision import Precision
-from fsdp_lite.engine.param import ShardedParam
+from fsdp_lite.engine.observe import Collective, Observer
+from fsdp_lite.engine.param import Param
 from fsdp_lite.engine.streams import SideStreams
-from fsdp_lite.tools import order
-from fsdp_lite.tools.order import CollectiveError
 
 __all__ = [
-    "CollectiveError",
+    "AllReduce",
+    "HybridReduceScatter",
     "PendingReduce",
+    "ReduceScatter",
+    "Reduction",
     "ShardedState",
     "ShardedUnit",
     "TrainingState",
+    "UnitRuntime",
+    "UnitSettings",
     "owns_unit",
     "unit_owners",
 ]
-
-
-def _grad_dtype(p: ShardedParam) -> torch.dtype:
-    """The dtype autograd gives this parameter's gradient: that of the copy forward ran on."""
-    return (p.unsharded_flat if p.unsharded_flat is not None else p.sharded_flat).dtype
 
 
 def owns_unit(module: nn.Module) -> bool:
@@ -70,26 +97,24 @@ def unit_owners(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if owns_unit(m)]
 
 
-@dataclass
-class PendingReduce:
-    """A unit's gradient reduction in flight, from ``reduce_grads`` until ``finish_reduce``.
+class UnitRuntime(Protocol):
+    """What a unit reads of the runtime it joined (runtime.StepRuntime, which builds on this
+    file; hence a protocol, not an import)."""
 
-    The runtime starts one in a unit's post-backward and lands it in the next unit's (or at the
-    end of backward), so that the collective overlaps that unit's gradient computation.
-    """
+    step: int  # the training step, for the collectives' logs and messages
+    root: ShardedUnit
+    streams: SideStreams | None  # on accelerators: the all-gather and reduce side streams
 
-    result: ReduceResult  # the collective's output and work
-    post_divide: float  # what the sum is divided by after the collective
-    kind: str  # "reduce_scatter" | "all_reduce", for the trace and profiler labels
-    had_every_grad: bool  # this rank had every gradient: no "had a gradient" count to read
-    on_stall: Callable[[], None] | None = None  # the order check of its wait (order.py)
+    def buffers_in_flight(self, unit: ShardedUnit) -> list[torch.Tensor]: ...
 
 
 class ShardedState(Enum):
-    """Which copy of a unit's parameters the module sees, and what is allocated."""
+    """Which copy of a unit's parameters the modules hold, and what is allocated (Note [Sharded
+    states])."""
 
-    SHARDED = auto()  # only the 1/N shards are allocated; modules hold sharded_param
-    UNSHARDED = auto()  # unsharded params are allocated too; modules hold unsharded_param
+    SHARDED = auto()
+    SHARDED_POST_FORWARD = auto()
+    UNSHARDED = auto()
 
 
 class TrainingState(Enum):
@@ -101,28 +126,199 @@ class TrainingState(Enum):
     SUMMON = auto()  # inside summon_full_params
 
 
+@dataclass
+class UnitSettings:
+    """The knobs a front sets on a unit when building it and between steps (FSDP1's arguments,
+    FSDP2's ``set_*`` methods). The front owns them; the engine only reads them."""
+
+    # When the runtime starts another unit's all-gather from this unit's hooks; the units set
+    # explicitly (FSDP2's set_modules_to_*_prefetch), or None for the next in the recorded order.
+    forward_prefetch: bool = True
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch_units: list[ShardedUnit] | None = None
+    backward_prefetch_units: list[ShardedUnit] | None = None
+    # False (no_sync, set_requires_gradient_sync): backward keeps the unsharded gradients, to
+    # accumulate, and reduces nothing.
+    requires_gradient_sync: bool = True
+    # False (FSDP2's set_is_last_backward): more backwards of this step follow, as between
+    # pipelining's microbatches; the step counter waits for the last one.
+    is_last_backward: bool = True
+    # False (FSDP2's set_requires_all_reduce, HSDP only): reduce-scatter within the shard group but
+    # skip the all-reduce across replicas; the sum waits for the next backward that all-reduces.
+    requires_all_reduce: bool = True
+    # False (FSDP2's set_unshard_in_backward): backward needs none of these params (an embedding's
+    # weight gradient reads only indices and output gradients): no gather.
+    unshard_in_backward: bool = True
+    # As the root, keep the unsharded params after forward (backward starts with them); FSDP2's
+    # explicit reshard_after_forward on the root frees them.
+    root_keeps_params: bool = True
+    # None: average over the data-parallel ranks; else sum, then divide by this (FSDP2's
+    # set_gradient_divide_factor; 1.0 when the loss is already normalized globally).
+    gradient_divide_factor: float | None = None
+    # What the next forward's first all-gather waits for (FSDP2's set_post_optim_event).
+    post_optim_event: Any = None
+
+    def take_post_optim_event(self) -> Any:
+        """The event to wait for, once: the next forward's gathers wait for it, the later ones
+        do not (as torch FSDP2 clears it)."""
+        event, self.post_optim_event = self.post_optim_event, None
+        return event
+
+
+@dataclass
+class _PendingGather:
+    """A unit's all-gather in flight, from ``unshard`` until ``wait_for_unshard``."""
+
+    result: AllGatherResult
+    op: Collective
+    on_side_stream: bool  # queued on the all-gather stream (a prefetch on an accelerator)
+    from_post_forward: bool  # gathers hpZ's blocks within the post-forward group
+
+
+@dataclass
+class _PostForward:
+    """FSDP2's int ``reshard_after_forward`` (ZeRO++'s hpZ): see Note [Post-forward shards]."""
+
+    group: dist.ProcessGroup  # this rank's k consecutive ranks
+    transport: collectives.Transport
+    block: slice  # which of the N gathered rows this rank keeps
+
+
+@dataclass
+class PendingReduce:
+    """A unit's gradient reduction in flight, from ``start_reduce`` until ``advance_reduce``
+    lands it. The runtime holds it (one owner): it starts one in a unit's post-backward and
+    advances it in the next unit's (or at the end of backward), so that the collective overlaps
+    that unit's gradient computation."""
+
+    unit: ShardedUnit
+    result: ReduceResult  # the collective's output and work
+    op: Collective
+    post_divide: float  # what the sum is divided by after the collective
+    had_every_grad: bool  # this rank had every gradient: no "had a gradient" count to read
+    across_replicas: bool = False  # HSDP's second collective (Note [HSDP across replicas])
+
+
+class Reduction:
+    """How a unit's gradients are averaged over the shard group: the collective, the buffer it
+    takes, and which method lands each parameter's piece. Chosen once from the strategy."""
+
+    kind: str  # the collective: "reduce_scatter" | "all_reduce"
+
+    def piece_numel(self, p: Param) -> int:
+        raise NotImplementedError
+
+    def pack(
+        self,
+        unit: ShardedUnit,
+        grads: list[torch.Tensor],
+        had_grad: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def issue(self, unit: ShardedUnit, buffer: torch.Tensor) -> ReduceResult:
+        raise NotImplementedError
+
+    def land(self, p: Param, piece: torch.Tensor, keep_dtype: bool) -> None:
+        raise NotImplementedError
+
+    def finish(
+        self, unit: ShardedUnit, pending: PendingReduce, output: torch.Tensor
+    ) -> PendingReduce | None:
+        """``pending``'s collective is done: land the gradients (None), or return the next
+        collective of this reduction."""
+        unit._land(output, pending)
+        return None
+
+
+class ReduceScatter(Reduction):
+    """Sharded gradients: each rank gets the sum of its rows (ZeRO-2, ZeRO-3)."""
+
+    kind = "reduce_scatter"
+
+    def piece_numel(self, p: Param) -> int:
+        return p.shard_numel
+
+    def pack(self, unit, grads, had_grad, dtype):
+        # The copy-in casts to the reduce dtype; dividing after the cast is what torch FSDP does.
+        numel = sum(p.shard_numel for p in unit.trainable) + len(unit.trainable)
+        reduce_scatter_input = grads[0].new_empty(unit.world_size * numel, dtype=dtype)
+        rank_major = [p.rank_major_grad(g) for p, g in zip(unit.trainable, grads)]
+        # One "had a gradient" row per rank (Note [Unused parameters]).
+        rank_major.append(had_grad.expand(unit.world_size, -1).contiguous())
+        collectives.reduce_scatter_copy_in(rank_major, unit.world_size, reduce_scatter_input)
+        return reduce_scatter_input
+
+    def issue(self, unit, buffer):
+        return collectives.reduce_scatter(
+            buffer,
+            unit.group,
+            async_op=True,
+            transport=unit.transport,
+            tag=collectives.p2p_tag("reduce_scatter", unit.name),
+        )
+
+    def land(self, p, piece, keep_dtype):
+        p.land_shard(piece, keep_dtype)
+
+
+class HybridReduceScatter(ReduceScatter):
+    """HYBRID_SHARD: reduce-scatter within the shard group, then all-reduce that slice across
+    the replicas (Note [HSDP across replicas])."""
+
+    def finish(self, unit, pending, output):
+        if pending.across_replicas:
+            unit._land(output, pending)
+            return None
+        return unit._across_replicas(pending, output)
+
+
+class AllReduce(Reduction):
+    """Whole gradients on every rank: NO_SHARD (DDP) and ZeRO-1, whose parameters take their rows."""
+
+    kind = "all_reduce"
+
+    def piece_numel(self, p: Param) -> int:
+        return p.numel
+
+    def pack(self, unit, grads, had_grad, dtype):
+        return torch.cat([g.reshape(-1).to(dtype) for g in (*grads, had_grad)])
+
+    def issue(self, unit, buffer):
+        return collectives.all_reduce(buffer, unit.group, async_op=True)
+
+    def land(self, p, piece, keep_dtype):
+        p.land_whole(piece, keep_dtype)
+
+
+def _reduction(rules: Rules, replicate_group: dist.ProcessGroup | None) -> Reduction:
+    """The reduction the strategy calls for; chosen once, when the unit is built."""
+    if rules.grad_reduce == "all_reduce":
+        return AllReduce()
+    return HybridReduceScatter() if replicate_group is not None else ReduceScatter()
+
+
 class ShardedUnit:
-    """The sharded parameters of one wrapped module; lives as long as its wrapper."""
+    """The parameters of one wrapped module (or of one ``fully_shard([...])`` group); lives as
+    long as its wrapper."""
 
     name: str  # the wrapped module's path from the root, "" for the root; set at lazy init
-    params: list[ShardedParam]  # all managed params, in registration order
-    trainable: list[ShardedParam]  # the ones with requires_grad, in the same order
+    params: list[Param]  # all managed params, in registration order
+    trainable: list[Param]  # the ones with requires_grad, in the same order
     unit_shard_numel: int  # sum of shard_numel over params: this rank's all_gather_input
-    trace: object | None  # a trace.CollectiveTrace while one records, else None
-    streams: SideStreams | None  # on accelerators, set by the root at lazy init (streams.py)
-    # When runtime.py starts the next unit's all-gather from this unit's hooks (torch FSDP1 reads
-    # these per unit too); construct.py sets them from the unit's config.
-    forward_prefetch: bool
-    backward_prefetch: BackwardPrefetch | None
-    runtime: object | None  # the root's runtime.StepRuntime (which imports this file)
+    runtime: UnitRuntime | None  # the root's, from its first forward (runtime.lazy_init)
+    observers: tuple[Observer, ...]  # what watches its collectives and compute (observe.py)
 
     def __init__(
         self,
-        params: list[ShardedParam],
+        params: list[Param],
         group: dist.ProcessGroup,
         rules: Rules,
         precision: Precision | None = None,
         replicate_group: dist.ProcessGroup | None = None,
+        settings: UnitSettings | None = None,
+        buffer_dtypes: dict[tuple[nn.Module, str], torch.dtype] | None = None,
     ) -> None:
         self.name = ""
         self.params = params
@@ -130,102 +326,120 @@ class ShardedUnit:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.rules = rules
-        self.precision = precision or Precision()
         self.replicate_group = replicate_group  # HYBRID_SHARD: reduce across replicas too
+        self.precision = precision or Precision()
+        self.settings = settings or UnitSettings()
+        # (module, buffer name) -> its full-precision dtype, which state dicts hand back.
+        self.buffer_dtypes = dict(buffer_dtypes or {})
         # Where collectives and compute run; shards may live elsewhere (see offload.py).
-        self.compute_device = (
-            params[0].unsharded_flat.device
-            if params and params[0].unsharded_flat is not None
-            else (params[0].sharded_flat.device if params else torch.device("cpu"))
-        )
-        self.buffer_dtypes: dict[tuple[object, str], torch.dtype] = {}  # (module, name) -> original
-        self.is_root = False
-        self.trace = None
-        self.streams = None
-        self.forward_prefetch = True
-        self.backward_prefetch = BackwardPrefetch.BACKWARD_PRE
-        self.runtime = None  # the root's runtime.StepRuntime, from runtime.lazy_init
-        # False (no_sync, set_requires_gradient_sync): backward keeps the unsharded gradients,
-        # to accumulate, and reduces nothing.
-        self.requires_gradient_sync = True
-        # False (FSDP2's set_is_last_backward): more backwards of this step follow, as between
-        # pipelining's microbatches; the step counter waits for the last one.
-        self.is_last_backward = True
-        # A backward without gradient sync left gradients on the unsharded params, not reduced.
-        self.grads_unreduced = False
-        # False (FSDP2's set_requires_all_reduce, HSDP only): reduce-scatter within the shard
-        # group but skip the all-reduce across replicas; the sum waits in _partial_reduce_output.
-        self.requires_all_reduce = True
-        # False (FSDP2's set_unshard_in_backward): backward needs none of these params (an
-        # embedding's weight gradient reads only indices and output gradients): no gather.
-        self.unshard_in_backward = True
-        self._partial_reduce_output: torch.Tensor | None = None
-        # As the root, keep the unsharded params after forward (backward starts with them);
-        # FSDP2's explicit reshard_after_forward=True on the root frees them.
-        self.root_keeps_params = True
-        # None: average over the data-parallel ranks; else sum, then divide by this (FSDP2's
-        # set_gradient_divide_factor; 1.0 when the loss is already normalized globally).
-        self.gradient_divide_factor: float | None = None
-        # An event the next forward's first all-gather waits for (FSDP2's set_post_optim_event).
-        self.post_optim_event = None
-        # Units to prefetch from this one's pre-forward / pre-backward, set explicitly (FSDP2's
-        # set_modules_to_forward_prefetch); None: the next in the recorded order.
-        self.forward_prefetch_units: list[ShardedUnit] | None = None
-        self.backward_prefetch_units: list[ShardedUnit] | None = None
-        # Modules this unit leaves out beyond its parent's (a policy's override): the parent
-        # unit takes their params, as in torch FSDP1 (construct._ignored_by_nested).
-        self.ignored_modules: frozenset = frozenset()
+        self.compute_device = params[0].unsharded_param.device if params else torch.device("cpu")
+        self.runtime = None
+        self.observers = ()
         # How the collectives move data: sends where measured faster (collectives.Transport),
         # chosen once here; scripts/bench.py sets collectives.BACKEND to compare.
         self.transport = collectives.Transport.choose(group, self.compute_device)
         self.shard_numels = [p.shard_numel for p in params]
         self.unit_shard_numel = sum(self.shard_numels)
-
-        # Whether forward runs on a separate unsharded copy: a gathered one when sharded, a cast
-        # one for NO_SHARD under mixed precision; otherwise modules always hold the params.
-        self.uses_unsharded_copy = bool(params) and all(
-            p.unsharded_param is not None for p in params
-        )
-        self.state = ShardedState.SHARDED if self.uses_unsharded_copy else ShardedState.UNSHARDED
+        sharded = bool(params) and params[0].is_sharded
+        # Forward runs on copies that are not what the optimizer steps (all but plain NO_SHARD).
+        copies = bool(params) and all(p.unsharded_param is not p.sharded_param for p in params)
+        # How the modules get unsharded params: one all-gather of the unit, or (NO_SHARD) each
+        # parameter's own local copy, nothing to move for most (param.py Note [Parameter kinds]).
+        self._fill_unsharded = self._all_gather if sharded else self._fill_locally
+        self.reduction = _reduction(rules, replicate_group)
+        replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        # Torch FSDP1's split of the data-parallel world size (collectives.grad_divide_factors).
+        self._divide_factors = collectives.grad_divide_factors(self.world_size * replicas)
+        self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self._all_gather: AllGatherResult | None = None  # an unshard in flight
-        self._gathering_on_side_stream = False  # that unshard runs on streams.all_gather
-        self._gather_phase = "forward"  # that unshard's phase, for error messages
-        self._gather_stalled = None  # what that unshard's wait calls when it stalls
-        # Log every collective and compare the ranks' logs when a wait stalls (Note [Collective
-        # order] in order.py); scripts/bench.py turns it off to measure its cost.
-        self.order_check = True
-        self._order_logs = {  # group -> its order.OrderLog
-            g: order.log_for(g) for g in (group, replicate_group) if g is not None
-        }
-        # FSDP2's int reshard_after_forward (ZeRO++'s hpZ): see Note [Post-forward shards].
-        self.post_forward_group: dist.ProcessGroup | None = None
-        self._post_forward_transport: collectives.Transport | None = None
-        self._post_forward_block: slice | None = None  # which of the N rows this rank keeps
-        self._post_forward_rows: torch.Tensor | None = (
-            None  # this rank's block, forward to backward
-        )
-        self._gathering_post_forward = False  # the unshard in flight gathers those blocks
-        self._pending_reduce: PendingReduce | None = None  # a reduction in flight
+        self._gather: _PendingGather | None = None
+        self._post_forward: _PostForward | None = None
+        self._post_forward_rows: torch.Tensor | None = None  # hpZ's block, forward to backward
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
-        # Frozen params whose unsharded copy backward may read after the last gradient is in
-        # (see Note [Frozen parameters in a unit] in runtime.py).
-        self.keeps_frozen_unsharded = (
-            self.uses_unsharded_copy
-            and rules.reshard_after_backward
-            and len(self.trainable) < len(self.params)
-        )
-        # Per-backward bookkeeping, reset by reset_backward().
-        self.num_grads_ready = 0
-        self.ran_pre_backward = False
-        self.ran_post_backward = False
-        self.input_grads_pending = 0  # forwards whose inputs' gradients are not in yet
-        self.inputs_hooked = False  # some forward's inputs carry a gradient hook this step
-        self.reduced = False
+        self._partial_reduce_output: torch.Tensor | None = None  # set_requires_all_reduce(False)
+        self._frozen_beside_trainable = copies and len(self.trainable) < len(params)
+        self.rules = rules
+        self.keeps_frozen_unsharded = False
+        self.set_rules(rules)
 
     def __repr__(self) -> str:
         return f"ShardedUnit({self.name or '<root>'!r}, {len(self.params)} params)"
+
+    # ---- configuration --------------------------------------------------------------------------
+
+    def attach(self, runtime: UnitRuntime, name: str) -> None:
+        """Join ``runtime`` (the root's, runtime.lazy_init) under ``name``, its path from the root."""
+        self.runtime = runtime
+        self.name = name
+
+    @property
+    def post_forward_group(self) -> dist.ProcessGroup | None:
+        """The group backward gathers within after hpZ's forward (Note [Post-forward shards])."""
+        return None if self._post_forward is None else self._post_forward.group
+
+    @property
+    def is_root(self) -> bool:
+        return self.runtime is not None and self.runtime.root is self
+
+    def watch(self, observer: Observer) -> None:
+        """Tell ``observer`` of this unit's collectives and compute from now on."""
+        if not any(o is observer for o in self.observers):
+            self.observers = (*self.observers, observer)
+
+    def unwatch(self, observer: Observer) -> None:
+        self.observers = tuple(o for o in self.observers if o is not observer)
+
+    def set_rules(self, rules: Rules) -> None:
+        """What the unit keeps after forward and backward (FSDP2's ``set_reshard_after_*``): the
+        one place the choices that depend on it are made again."""
+        self.rules = rules
+        # Frozen params whose unsharded copy backward may read after the last gradient is in
+        # (see Note [Frozen parameters in a unit] in runtime.py).
+        self.keeps_frozen_unsharded = self._frozen_beside_trainable and rules.reshard_after_backward
+        if rules.reshard_after_backward:
+            # What keeping them between backwards kept (Note [ZeRO-1]) goes; the next unshard
+            # gathers again.
+            self._gathered_versions = None
+            if self.state == ShardedState.SHARDED:
+                for p in self.params:
+                    p.free_unsharded()
+        elif self.state == ShardedState.UNSHARDED and self._gathered_versions is None:
+            # Unsharded params gathered before count as kept: a later unshard with unchanged
+            # shards reuses them.
+            self._gathered_versions = self._versions()
+
+    def reshard_to_smaller_group(self, group: dist.ProcessGroup) -> None:
+        """After forward, keep 1/len(group) of the gathered params instead of 1/N, and gather
+        backward's within ``group`` (FSDP2's int ``reshard_after_forward``, ZeRO++'s hpZ).
+
+        Note [Post-forward shards]: the shard group's N ranks are cut into groups of k
+        consecutive ranks (``DeviceMesh(mesh.view(-1, k))``, as torch builds it); the rank at
+        position j of its group keeps rows [j N/k, (j+1) N/k) of the forward's all-gather
+        output, each row one rank's shards of every param. Gathering those blocks over the k
+        ranks gives back all N rows in order, the layout the usual copy-out reads. The cost:
+        N/k rows per unit from forward to backward; the gain: backward's all-gather spans k
+        ranks (one node), not N. The reduce-scatter stays over all N.
+        """
+        per = self.world_size // dist.get_world_size(group)
+        first = dist.get_rank(group) * per
+        self._post_forward = _PostForward(
+            group,
+            collectives.Transport.choose(group, self.compute_device),
+            slice(first, first + per),  # this rank's rows to keep
+        )
+
+    def after_apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``nn.Module._apply(fn)`` ran and the shards were taken back
+        (param.reset_sharded_param): anything kept unsharded is stale (ZeRO-1), so the next
+        forward gathers again; buffers were cast by ``fn`` too, so their full-precision dtype
+        follows it, and under ``MixedPrecision.buffer_dtype`` they compute in that dtype again."""
+        self._gathered_versions = None
+        buffer_dtype = self.precision.buffer_dtype
+        for (m, name), dtype in list(self.buffer_dtypes.items()):
+            self.buffer_dtypes[(m, name)] = fn(torch.empty(0, dtype=dtype)).dtype
+            buf = m._buffers.get(name)
+            if buf is not None and buffer_dtype is not None and buf.is_floating_point():
+                m._buffers[name] = buf.to(buffer_dtype)
 
     def assert_state(self, *allowed: TrainingState) -> None:
         if self.training_state not in allowed:
@@ -235,19 +449,23 @@ class ShardedUnit:
                 f"got {self.training_state.name}"
             )
 
-    def after_apply(self) -> None:
-        """The shards were taken back after ``nn.Module._apply`` (param.reset_sharded_param):
-        anything kept unsharded is stale (ZeRO-1), and the next forward gathers again."""
-        self._gathered_versions = None
+    def enter(self, state: TrainingState) -> None:
+        """Move to training state ``state`` (the runtime's hooks, summon_full_params)."""
+        self.training_state = state
 
-    # ---- unshard / reshard -------------------------------------------------------------------
+    def computes(self, phase: str, edge: str) -> None:
+        """Tell the observers that this unit's ``phase`` computation ``edge``s."""
+        for o in self.observers:
+            o.compute(self.name, phase, edge, self._step())
 
-    def needs_all_gather(self) -> bool:
-        """Whether ``unshard`` would start an all-gather (or the NO_SHARD cast) now."""
+    # ---- unshard / reshard ----------------------------------------------------------------------
+
+    def needs_unshard(self) -> bool:
+        """Whether ``unshard`` would start filling the unsharded params now."""
         return (
             bool(self.params)
-            and self._all_gather is None  # else prefetched: in flight or landed
-            and self.state == ShardedState.SHARDED
+            and self._gather is None  # else prefetched: in flight or landed
+            and self.state != ShardedState.UNSHARDED
             and not self._holds_fresh_copy()
         )
 
@@ -261,22 +479,28 @@ class ShardedUnit:
         return [(p.sharded_param._version, p.sharded_flat._version) for p in self.params]
 
     def unshard(self, phase: str, async_op: bool = False) -> None:
-        """Start the all-gather of this unit's shards; ``wait_for_unshard`` finishes it."""
+        """Start filling the unsharded params (one all-gather; NO_SHARD: local copies);
+        ``wait_for_unshard`` finishes it. ``async_op``: a prefetch, queued on the all-gather
+        side stream where there is one (Note [Side-stream protocol]); a gather needed at once
+        stays on the compute stream."""
         if self.state == ShardedState.SHARDED and self._holds_fresh_copy():
             self._to_unsharded()  # ZeRO-1 between steps with unchanged shards: nothing to move
-            return
-        if not self.needs_all_gather():
-            return
-        if not self.rules.shard_params:
-            self._cast_copy()
-            return
-        # A prefetch runs on the all-gather side stream where there is one; a gather the compute
-        # needs right away stays on the compute stream (Note [Side-stream protocol]).
-        side = self.streams.all_gather if self.streams is not None and async_op else None
+        elif self.needs_unshard():
+            self._fill_unsharded(phase, async_op)
+
+    def _fill_locally(self, phase: str, async_op: bool) -> None:
+        """NO_SHARD: each parameter fills its own copy (a cast, or nothing); no collective."""
+        for p in self.params:
+            p.fill_unsharded()
+        self._to_unsharded()
+
+    def _all_gather(self, phase: str, async_op: bool) -> None:
+        streams = self.runtime.streams if self.runtime is not None else None
+        side = streams.all_gather if streams is not None and async_op else None
+        from_post_forward = self.state == ShardedState.SHARDED_POST_FORWARD
         with self._queued_on(side), self._label("all_gather"):
-            self._gathering_post_forward = self._post_forward_rows is not None
-            if self._gathering_post_forward:  # Note [Post-forward shards]
-                group, transport = self.post_forward_group, self._post_forward_transport
+            if from_post_forward:  # Note [Post-forward shards]
+                group, transport = self._post_forward.group, self._post_forward.transport
                 tag = "all_gather_post_forward"
                 all_gather_input = self._post_forward_rows
                 all_gather_output = all_gather_input.new_empty(
@@ -294,68 +518,34 @@ class ShardedUnit:
                     offload.to_device(p.sharded_flat, self.compute_device) for p in self.params
                 ]
                 collectives.all_gather_copy_in(shards, all_gather_input)
-                if not self.rules.reshard_after_backward:
-                    self._gathered_versions = self._versions()
+                self._gathered_versions = self._versions()  # what a kept copy will equal
                 offload.after_copy_in(self.params, phase)
-            self._gather_stalled = self._record("all_gather", phase, all_gather_input, group)
-            with self._failing_names("all_gather", phase, group):
-                self._all_gather = collectives.all_gather(
+            op = self._issue("all_gather", phase, all_gather_input, group)
+            with collectives.failing_as(op):
+                result = collectives.all_gather(
                     all_gather_input,
                     group,
-                    async_op=async_op,
+                    async_op=True,
                     all_gather_output=all_gather_output,
                     transport=transport,
                     tag=collectives.p2p_tag(tag, self.name),
-                    on_stall=self._gather_stalled,
                 )
-        self._gathering_on_side_stream = side is not None
-        self._gather_phase = phase
-
-    @contextlib.contextmanager
-    def _failing_names(self, kind: str, phase: str, group: dist.ProcessGroup):
-        """A collective that fails (a rank died, a timeout) re-raises as ``CollectiveError``,
-        naming the collective, this unit, the phase, the step and the group's ranks."""
-        try:
-            yield
-        except RuntimeError as e:
-            if isinstance(e, CollectiveError):
-                raise
-            step = getattr(self.runtime, "step", 1)
-            ranks = dist.get_process_group_ranks(group)
-            raise CollectiveError(
-                f"fsdp_lite: {kind.replace('_', '-')} of unit {self.name or '<root>'!r} in "
-                f"{phase} of step {step} failed (group of ranks {ranks}): {e}"
-            ) from e
-
-    def _label(self, what: str) -> contextlib.AbstractContextManager:
-        """``fsdp_lite::<what> <unit>`` in torch's profiler (the glossary's words); nothing when
-        no profiler runs."""
-        if not torch.autograd.profiler._is_profiler_enabled:
-            return contextlib.nullcontext()
-        return torch.profiler.record_function(f"fsdp_lite::{what} {self.name or '<root>'}")
-
-    def _queued_on(self, side) -> contextlib.AbstractContextManager:
-        """The block's device work queued on side stream ``side`` (after the compute stream's), or
-        in program order where it is None (CPU, or a gather needed at once)."""
-        return self.streams.enter(side) if side is not None else contextlib.nullcontext()
+        self._gather = _PendingGather(result, op, side is not None, from_post_forward)
 
     def wait_for_unshard(self) -> None:
-        result, self._all_gather = self._all_gather, None
-        if result is None:
+        """Land the all-gather in flight, if any: copy out the unsharded params, point the
+        modules at them."""
+        pending, self._gather = self._gather, None
+        if pending is None:
             return
         with self._label("wait_for_unshard"):
-            self._wait_and_copy_out(result)
-        if self._gathering_on_side_stream:
-            self.streams.after_copy_out()
+            self._wait(pending.op, pending.result)
+            self._copy_out(pending.result.all_gather_output)
+        if pending.on_side_stream:
+            self.runtime.streams.after_copy_out()
         self._to_unsharded()
 
-    def _wait_and_copy_out(self, result: AllGatherResult) -> None:
-        group = self.post_forward_group if self._gathering_post_forward else self.group
-        with self._failing_names("all_gather", self._gather_phase, group):
-            result.wait(self._gather_stalled)
-        self._record_done("all_gather")
-        if self._gathering_post_forward:
-            self._post_forward_rows, self._gathering_post_forward = None, False
+    def _copy_out(self, all_gather_output: torch.Tensor) -> None:
         with contextlib.ExitStack() as stack, torch.no_grad():
             # The copy writes into tensors autograd saved in forward; their contents are the same
             # values again, so keep the version counters that would otherwise fail the backward.
@@ -368,219 +558,149 @@ class ShardedUnit:
                 )
             targets = [p.gather_target() for p in self.params]  # param.py Note [Shard dim]
             collectives.all_gather_copy_out(
-                result.all_gather_output, self.world_size, self.shard_numels, targets
+                all_gather_output, self.world_size, self.shard_numels, targets
             )
             for p, target in zip(self.params, targets):
                 p.copy_out_gathered(target)
 
-    def _cast_copy(self) -> None:
-        """NO_SHARD under mixed precision: the unsharded copy is a local cast, no collective."""
-        with contextlib.ExitStack() as stack, torch.no_grad():
-            for p in self.params:  # see the version-counter comment in wait_for_unshard
-                p.alloc_unsharded()
-                stack.enter_context(
-                    torch.autograd._unsafe_preserve_version_counter(p.unsharded_param)
-                )
-                p.unsharded_param.copy_(p.sharded_param)
-        self._to_unsharded()
-
     def reshard(self, after_forward: bool = False) -> None:
         """Point the modules at the shards and free the unsharded params (ZeRO-1 keeps them).
         ``after_forward``: backward follows; with a post-forward group this rank keeps its
-        block of the gathered rows first (Note [Post-forward shards])."""
-        if self._all_gather is not None:  # a prefetch nobody used: finish it so buffers can go
+        block of the gathered rows (Note [Post-forward shards])."""
+        if self._gather is not None:  # a prefetch nobody used: land it, so nothing is in flight
             self.wait_for_unshard()
-        if self.state == ShardedState.UNSHARDED and self.uses_unsharded_copy:
-            if after_forward and self.post_forward_group is not None:
-                self._keep_post_forward_rows()
+        if self.state == ShardedState.UNSHARDED:
+            if after_forward and self._post_forward is not None:
+                self._to_sharded_post_forward()
+            else:
+                self._to_sharded()
+        elif self.state == ShardedState.SHARDED_POST_FORWARD and not after_forward:
             self._to_sharded()
 
-    def reshard_to_smaller_group(self, group: dist.ProcessGroup) -> None:
-        """After forward, keep 1/len(group) of the gathered params instead of 1/N, and gather
-        backward's within ``group`` (FSDP2's int ``reshard_after_forward``, ZeRO++'s hpZ).
+    def land_unused_prefetch(self) -> None:
+        """An all-gather in flight for a forward that did not come: land it and reshard."""
+        if self._gather is not None:
+            self.reshard()
 
-        Note [Post-forward shards]: the shard group's N ranks are cut into groups of k
-        consecutive ranks (``DeviceMesh(mesh.view(-1, k))``, as torch builds it); the rank at
-        position j of its group keeps rows [j N/k, (j+1) N/k) of the forward's all-gather
-        output, each row one rank's shards of every param. Gathering those blocks over the k
-        ranks gives back all N rows in order, the layout the usual copy-out reads. The cost:
-        N/k rows per unit from forward to backward; the gain: backward's all-gather spans k
-        ranks (one node), not N. The reduce-scatter stays over all N.
-        """
-        self.post_forward_group = group
-        self._post_forward_transport = collectives.Transport.choose(group, self.compute_device)
-        self._order_logs[group] = order.log_for(group)
-        per = self.world_size // dist.get_world_size(group)
-        first = dist.get_rank(group) * per
-        self._post_forward_block = slice(first, first + per)  # this rank's rows to keep
-
-    def _keep_post_forward_rows(self) -> None:
-        with torch.no_grad():
-            blocks = [
-                p.gathered_rows(self._post_forward_block) for p in self.params
-            ]  # each (N/k, shard_numel): those ranks' shards of one param
-            self._post_forward_rows = torch.cat(blocks, dim=1).reshape(-1)
-
-    def keep_current_copy(self) -> None:
-        """reshard_after_backward just became False: unsharded params gathered before count as
-        kept (Note [ZeRO-1]), so a later unshard with unchanged shards reuses them."""
-        if self.state == ShardedState.UNSHARDED and self.uses_unsharded_copy:
-            if self._gathered_versions is None:
-                self._gathered_versions = self._versions()
-
-    def drop_kept_copy(self) -> None:
-        """Free unsharded params kept while the modules hold the shards (reshard_after_backward
-        was False, Note [ZeRO-1]); the next unshard gathers again."""
-        self._gathered_versions = None
-        if self.state == ShardedState.SHARDED and self.uses_unsharded_copy:
-            for p in self.params:
-                p.free_unsharded()
+    def end_of_backward(self) -> None:
+        """Back to IDLE; a post-forward block backward did not reach goes now."""
+        if self.state == ShardedState.SHARDED_POST_FORWARD:
+            self._to_sharded()
+        self.training_state = TrainingState.IDLE
 
     def _to_unsharded(self) -> None:
         for p in self.params:
             p.point_modules_to(p.unsharded_param)
+        self._post_forward_rows = None
         self.state = ShardedState.UNSHARDED
 
     def _to_sharded(self) -> None:
+        frees = self.rules.reshard_after_backward  # else kept (Note [ZeRO-1])
+        if frees:
+            self._gathered_versions = None
         for p in self.params:
-            if self.rules.reshard_after_backward:
+            if frees:
                 p.free_unsharded()
             p.point_modules_to(p.sharded_param)
+        self._post_forward_rows = None
         self.state = ShardedState.SHARDED
 
-    # ---- gradients ---------------------------------------------------------------------------
+    def _to_sharded_post_forward(self) -> None:
+        with torch.no_grad():
+            blocks = [
+                p.gathered_rows(self._post_forward.block) for p in self.params
+            ]  # each (N/k, shard_numel): those ranks' shards of one param
+            rows = torch.cat(blocks, dim=1).reshape(-1)
+        self._to_sharded()
+        self._post_forward_rows = rows
+        self.state = ShardedState.SHARDED_POST_FORWARD
 
-    def unsharded_grads(self) -> list[torch.Tensor | None]:
-        """The gradient autograd left on each trainable parameter's unsharded (or only) copy."""
-        if self.uses_unsharded_copy:
-            return [p.local_grad(p.unsharded_param.grad) for p in self.trainable]
-        return [p.sharded_param.grad for p in self.trainable]
+    def buffers_in_flight(self) -> list[torch.Tensor]:
+        """The all-gather output of an unshard in flight, for the trace's memory accounting."""
+        return [] if self._gather is None else [self._gather.result.all_gather_output]
 
-    def reduce_grads(self) -> None:
-        """Start averaging this backward's gradients over ranks; ``finish_reduce`` lands them.
+    # ---- gradients ------------------------------------------------------------------------------
+
+    def start_reduce(self) -> PendingReduce | None:
+        """Pack this backward's gradients (dropping autograd's), pre-divide, and issue the
+        reduction over the shard group; None for a unit with nothing to reduce.
 
         See Note [Unused parameters] for parameters without a gradient.
         """
         if not self.trainable:
-            return
-        grads = self.unsharded_grads()
-        side = self.streams.reduce if self.streams is not None else None
-        with self._queued_on(side), self._label(self.rules.grad_reduce):
+            return None
+        grads = [p.take_unsharded_grad() for p in self.trainable]
+        streams = self.runtime.streams if self.runtime is not None else None
+        side = streams.reduce if streams is not None else None
+        with self._queued_on(side), self._label(self.reduction.kind):
             if side is not None:
                 for g in grads:
-                    if g is not None:  # read on the reduce stream, then dropped below
-                        self.streams.hand_over(g, side)
-            self._pending_reduce = self._start_reduce(grads)
-        self.reduced = True
-        self.grads_unreduced = False
+                    if g is not None:  # read on the reduce stream, then dropped
+                        streams.hand_over(g, side)
+            return self._issue_reduce(grads)
 
-    def _start_reduce(self, grads: list[torch.Tensor | None]) -> PendingReduce:
-        """Pack, pre-divide and issue this unit's gradient collective; drop autograd's grads."""
+    def _issue_reduce(self, grads: list[torch.Tensor | None]) -> PendingReduce:
         filled = [
             g
             if g is not None
-            else torch.zeros(p.orig_size, dtype=_grad_dtype(p), device=self.compute_device)
+            else torch.zeros(p.orig_size, dtype=p.unsharded_param.dtype, device=self.compute_device)
             for g, p in zip(grads, self.trainable)
         ]
         reduce_dtype = self.precision.reduce_dtype or filled[0].dtype
-        # One row per rank, so that after the reduction every rank holds the count of ranks that
-        # had each gradient. See Note [Unused parameters].
         had_grad = torch.tensor([float(g is not None) for g in grads], dtype=filled[0].dtype)
-        filled.append(had_grad.to(filled[0].device).expand(self.world_size, -1).contiguous())
-        replicas = dist.get_world_size(self.replicate_group) if self.replicate_group else 1
-        pre, post = collectives.grad_divide_factors(self.world_size * replicas)
-        if self.gradient_divide_factor is not None:  # FSDP2's set_gradient_divide_factor
-            pre, post = 1.0, self.gradient_divide_factor  # the plain sum, then one division
-        if self.rules.grad_reduce == "reduce_scatter":
-            numel = sum(p.shard_numel for p in self.trainable) + len(self.trainable)
-            # The copy-in casts to reduce_dtype; dividing after the cast is what torch FSDP does.
-            reduce_scatter_input = filled[0].new_empty(self.world_size * numel, dtype=reduce_dtype)
-            rank_major = [p.rank_major_grad(g) for p, g in zip(self.trainable, filled)]
-            rank_major.append(filled[-1])  # the had-grad row
-            collectives.reduce_scatter_copy_in(rank_major, self.world_size, reduce_scatter_input)
-            reduce_scatter_input.div_(pre)
-            kind = "reduce_scatter"
-            stalled = self._record(kind, "backward", reduce_scatter_input)
-            with self._failing_names(kind, "backward", self.group):
-                result = collectives.reduce_scatter(
-                    reduce_scatter_input,
-                    self.group,
-                    async_op=True,
-                    transport=self.transport,
-                    tag=collectives.p2p_tag("reduce_scatter", self.name),
-                )
-            for p in self.trainable:
-                p.unsharded_param.grad = None  # its data now lives in reduce_scatter_input
-        else:
-            filled[-1] = filled[-1][0]  # all-reduce: every rank keeps the whole buffer, one row
-            flat_grads = torch.cat([g.reshape(-1).to(reduce_dtype) for g in filled]).div_(pre)
-            if self.uses_unsharded_copy:
-                for p in self.trainable:
-                    p.unsharded_param.grad = None  # its data now lives in flat_grads
-            kind = "all_reduce"
-            stalled = self._record(kind, "backward", flat_grads)
-            with self._failing_names(kind, "backward", self.group):
-                result = collectives.all_reduce(flat_grads, self.group, async_op=True)
-        return PendingReduce(result, post, kind, all(g is not None for g in grads), stalled)
+        had_grad = had_grad.to(filled[0].device)
+        pre, post = self._divide_factors
+        if self.settings.gradient_divide_factor is not None:  # set_gradient_divide_factor
+            pre, post = 1.0, self.settings.gradient_divide_factor  # the plain sum, one division
+        buffer = self.reduction.pack(self, filled, had_grad, reduce_dtype).div_(pre)
+        op = self._issue(self.reduction.kind, "backward", buffer)
+        with collectives.failing_as(op):
+            result = self.reduction.issue(self, buffer)
+        return PendingReduce(self, result, op, post, all(g is not None for g in grads))
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduction and write each parameter's averaged gradient."""
-        pending, self._pending_reduce = self._pending_reduce, None
-        if pending is None:
-            return
+    def advance_reduce(self, pending: PendingReduce) -> PendingReduce | None:
+        """Wait for ``pending``'s collective; then land the averaged gradients on each
+        parameter's ``sharded_param.grad`` and return None, or, under HSDP, issue the all-reduce
+        across replicas and return it, to land at the next call (Note [HSDP across replicas])."""
         with self._label("finish_reduce"):
-            self._land(pending)
+            output = self._wait(pending.op, pending.result)
+            return self.reduction.finish(self, pending, output)
 
-    def _land(self, pending: PendingReduce) -> None:
-        result, post, kind = pending.result, pending.post_divide, pending.kind
-        with self._failing_names(kind, "backward", self.group):
-            output = result.wait(pending.on_stall)
-        self._record_done(kind)
-        if self.replicate_group is not None:
-            if self._partial_reduce_output is not None:  # what backwards without it summed
-                output.add_(self._partial_reduce_output)
-                self._partial_reduce_output = None
-            if not self.requires_all_reduce:
-                # HSDP accumulation (FSDP2's set_requires_all_reduce(False)): keep this shard
-                # group's sum, unscaled, for the next backward that all-reduces; no grad yet.
-                self._partial_reduce_output = output
-                return
-            # HYBRID_SHARD: every replica holds the same 1/N slice; sum it across them.
-            stalled = self._record("all_reduce", "backward", output, self.replicate_group)
-            with self._failing_names("all_reduce", "backward", self.replicate_group):
-                collectives.all_reduce(output, self.replicate_group, async_op=True).wait(stalled)
-            self._record_done("all_reduce")
-        if post != 1.0:
-            output.div_(post)
+    def _across_replicas(
+        self, pending: PendingReduce, output: torch.Tensor
+    ) -> PendingReduce | None:
+        """HSDP: the shard group's sum ``output`` is in; all-reduce it across the replicas (or,
+        under FSDP2's ``set_requires_all_reduce(False)``, keep it for a later backward)."""
+        if self._partial_reduce_output is not None:  # what backwards without it summed
+            output.add_(self._partial_reduce_output)
+            self._partial_reduce_output = None
+        if not self.settings.requires_all_reduce:
+            # HSDP accumulation: keep this shard group's sum, unscaled, for the next backward
+            # that all-reduces; no grad yet.
+            self._partial_reduce_output = output
+            return None
+        streams = self.runtime.streams if self.runtime is not None else None
+        with self._queued_on(streams.reduce if streams is not None else None):
+            op = self._issue("all_reduce", "backward", output, self.replicate_group)
+            with collectives.failing_as(op):
+                result = collectives.all_reduce(output, self.replicate_group, async_op=True)
+        return dataclasses.replace(pending, result=result, op=op, across_replicas=True)
+
+    def _land(self, output: torch.Tensor, pending: PendingReduce) -> None:
+        if pending.post_divide != 1.0:
+            output.div_(pending.post_divide)
         ranks_with_grad = output[-len(self.trainable) :]  # > 0 where any rank had one
         # Reading the counts waits for the device; when this rank had every gradient, every
         # count is at least 1 and the read, a host sync per unit on an accelerator, is skipped.
         used_counts = (
             [1.0] * len(self.trainable) if pending.had_every_grad else ranks_with_grad.tolist()
         )
-        scattered = self.rules.grad_reduce == "reduce_scatter"
+        keep_dtype = self.precision.keep_low_precision_grads
         offset = 0
         for p, used in zip(self.trainable, used_counts):
-            numel = p.shard_numel if scattered else p.numel  # this rank's slice, or all of it
-            piece = output[offset : offset + numel]
-            if used > 0 and self.rules.shard_params:
-                if not scattered:  # ZeRO-1: a view of this rank's rows of the whole gradient
-                    piece = p.rows_of(piece)
-                p.set_sharded_grad(piece, self.precision.keep_low_precision_grads)
-            elif used > 0 and self.uses_unsharded_copy:  # NO_SHARD + mixed precision or offload
-                grad = offload.to_device(piece.view(p.orig_size), p.sharded_flat.device)
-                if not self.precision.keep_low_precision_grads:
-                    grad = grad.to(p.sharded_param.dtype)
-                elif grad.dtype != p.sharded_param.dtype:
-                    p.sharded_param.grad_dtype = None  # torch refuses another dtype otherwise
-                if p.sharded_param.grad is None:
-                    p.sharded_param.grad = grad
-                else:
-                    p.sharded_param.grad += grad  # fresh copy grads each backward: accumulate
-            elif used > 0 and p.sharded_param.grad is None:
-                p.sharded_param.grad = piece.view(p.orig_size).to(p.sharded_param.dtype)
-            elif used > 0:
-                p.sharded_param.grad.copy_(piece.view(p.orig_size))
+            numel = self.reduction.piece_numel(p)
+            if used > 0:
+                self.reduction.land(p, output[offset : offset + numel], keep_dtype)
             offset += numel
         offload.after_grads(self.trainable)
 
@@ -598,8 +718,8 @@ class ShardedUnit:
         rank only takes part (rank0_only on the other ranks); ``device`` defaults to the shards'.
         """
         all_gather_input = offload.to_device(torch.cat(sharded_flats), self.compute_device)
-        stalled = self._record("all_gather", phase, all_gather_input)
-        with self._failing_names("all_gather", phase, self.group):
+        op = self._issue("all_gather", phase, all_gather_input)
+        with collectives.failing_as(op):
             # A tag apart from the step's gathers: this one is in full precision, theirs may not be.
             result = collectives.all_gather(
                 all_gather_input,
@@ -608,8 +728,7 @@ class ShardedUnit:
                 transport=self.transport,
                 tag=collectives.p2p_tag("all_gather_full", self.name),
             )
-            result.wait(stalled)
-        self._record_done("all_gather")
+        self._wait(op, result)
         if not keep:
             return [None] * len(self.params)
         gathered = result.all_gather_output.view(self.world_size, -1)  # (N, unit_shard_numel)
@@ -619,29 +738,49 @@ class ShardedUnit:
             offset += p.shard_numel
         return full
 
-    def reset_backward(self) -> None:
-        self._post_forward_rows = None  # a unit backward did not reach: its block goes now
-        self.num_grads_ready = 0
-        self.ran_pre_backward = False
-        self.ran_post_backward = False
-        self.input_grads_pending = 0
-        self.inputs_hooked = False
-        self.reduced = False
-        self.training_state = TrainingState.IDLE
+    # ---- collectives, observed ------------------------------------------------------------------
 
-    def _record(
+    def _step(self) -> int:
+        return self.runtime.step if self.runtime is not None else 1
+
+    def _issue(
         self, kind: str, phase: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
-    ) -> Callable[[], None] | None:
-        """Log a collective about to be issued on ``group`` (default: the shard group) for the
-        trace and the order check; returns what its wait calls when it stalls (order.py)."""
-        if self.trace is not None:
-            self.trace.record(kind=kind, unit=self.name, phase=phase, tensor=tensor)
-        if not self.order_check:
-            return None
-        log = self._order_logs[group or self.group]
-        step = getattr(self.runtime, "step", 1)
-        return log.issued(step, kind, self.name, phase, tensor.numel())
+    ) -> Collective:
+        """Describe a collective about to be issued on ``group`` (default: the shard group) with
+        ``tensor`` as this rank's input, and tell the observers."""
+        op = Collective(
+            kind,
+            self.name,
+            phase,
+            self._step(),
+            group or self.group,
+            tensor.dtype,
+            tensor.numel(),
+            tensor.device,
+        )
+        for o in self.observers:
+            o.issued(op)
+        return op
 
-    def _record_done(self, kind: str) -> None:
-        if self.trace is not None:  # this rank's wait returned; see Note [Trace times and memory]
-            self.trace.collective_done(unit=self.name, kind=kind)
+    def _wait(self, op: Collective, result: AllGatherResult | ReduceResult) -> torch.Tensor:
+        """Block until ``op`` is done (through the waiter an observer set, if any), then tell the
+        observers; a failure names ``op`` (``CollectiveError``)."""
+        with collectives.failing_as(op):
+            output = result.wait(op.waiter)
+        for o in self.observers:
+            o.waited(op)
+        return output
+
+    def _label(self, what: str) -> contextlib.AbstractContextManager:
+        """``fsdp_lite::<what> <unit>`` in torch's profiler (the glossary's words); nothing when
+        no profiler runs."""
+        if not torch.autograd.profiler._is_profiler_enabled:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(f"fsdp_lite::{what} {self.name or '<root>'}")
+
+    def _queued_on(self, side) -> contextlib.AbstractContextManager:
+        """The block's device work queued on side stream ``side`` (after the compute stream's), or
+        in program order where it is None (CPU, or a gather needed at once)."""
+        if side is None:
+            return contextlib.nullcontext()
+        return self.runtime.streams.enter(side)

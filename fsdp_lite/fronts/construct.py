@@ -36,9 +36,11 @@ from fsdp_lite.engine.mixed_precision import (
     cast_buffers,
     resolve,
 )
-from fsdp_lite.engine.param import ShardedParam, TensorParallel, padded_numel, with_local
-from fsdp_lite.engine.unit import ShardedUnit, owns_unit
+from fsdp_lite.engine.offload import with_local
+from fsdp_lite.engine.param import Param, TensorParallel, new_param, padded_numel
+from fsdp_lite.engine.unit import ShardedUnit, UnitSettings, owns_unit
 from fsdp_lite.names import clean_name
+from fsdp_lite.tools import order
 
 __all__ = ["UnitConfig"]
 
@@ -171,6 +173,13 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
     ignored_modules, ignored_params = _resolve_ignored(
         module, kw["ignored_modules"], kw["ignored_states"]
     )
+    # A unit wrapped by hand below this one leaves what it ignores to nobody: torch FSDP1 counts
+    # a nested FSDP's ignored modules and parameters as the parent's own. (Units a policy makes
+    # do not exist yet: their ignored_states go to this unit, _ignored_by_nested.)
+    for sub in module.modules():
+        if sub is not module and owns_unit(sub):
+            ignored_modules |= sub._config.ignored_modules
+            ignored_params |= sub._config.ignored_params
     return UnitConfig(
         strategy=strategy,
         rules=STRATEGY_RULES[strategy],
@@ -281,9 +290,15 @@ def _nested_config(
     if "sync_module_states" in overrides:
         _check_type("sync_module_states", kw["sync_module_states"], bool, allow_none=False)
         changes["sync_module_states"] = kw["sync_module_states"]
-    if "ignored_modules" in overrides or "ignored_states" in overrides:
+    if "ignored_modules" in overrides:
+        raise ValueError(  # torch FSDP1's words: its auto-wrap passes ignored_states on too
+            f"auto_wrap_policy gave submodule {name!r} ignored_modules; torch FSDP1 refuses it: "
+            "Cannot pass both ignored_modules and ignored_states at the same time. Please just "
+            "pass ignored_states."
+        )
+    if "ignored_states" in overrides:
         # Left out of this unit; its parent takes them (_ignored_by_nested), as in torch FSDP1.
-        mods, params = _resolve_ignored(module, kw["ignored_modules"], kw["ignored_states"])
+        mods, params = _resolve_ignored(module, None, kw["ignored_states"])
         if params - {p for m in mods for p in m.parameters()}:
             raise NotImplementedError(
                 f"auto_wrap_policy gave submodule {name!r} parameters to ignore: a nested unit "
@@ -489,7 +504,7 @@ def _build_unit(
     each on dim 0 or on its dim in ``shard_dims`` (param.py Note [Shard dim])."""
     locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     names: dict[nn.Parameter, str] = {}
-    nested_params: dict[int, ShardedParam] = {}
+    nested_params: dict[int, Param] = {}
     own_modules: list[nn.Module] = []
     stack: list[tuple[str, nn.Module]] = [("", module)]
     while stack:
@@ -531,7 +546,7 @@ def _build_unit(
     rank = dist.get_rank(config.group)
     world_size = dist.get_world_size(config.group)
     params = [
-        ShardedParam(
+        new_param(
             p,
             locations[p],
             clean_name(names[p]),
@@ -548,21 +563,30 @@ def _build_unit(
         )
         for p in ordered
     ]
-    unit = ShardedUnit(params, config.group, config.rules, config.precision, config.replicate_group)
-    unit.ignored_modules = config.ignored_modules  # its parent takes them (_ignored_by_nested)
-    unit.forward_prefetch = config.forward_prefetch
-    unit.backward_prefetch = config.backward_prefetch
-    for p in params:
-        if p.disk_files is not None:
-            p.disk_files.unit_key = id(unit)  # disk_offload groups and reads ahead by unit
     # Buffers live whole on every rank; under mixed precision they compute in buffer_dtype.
     # The original dtypes are kept so that state dicts can hand them back in full precision.
-    unit.buffer_dtypes = {
+    buffer_dtypes = {
         (m, name): buf.dtype
         for m in own_modules
         for name, buf in m._buffers.items()
         if buf is not None
     }
+    unit = ShardedUnit(
+        params,
+        config.group,
+        config.rules,
+        config.precision,
+        config.replicate_group,
+        UnitSettings(
+            forward_prefetch=config.forward_prefetch,
+            backward_prefetch=config.backward_prefetch,
+        ),
+        buffer_dtypes,
+    )
+    unit.watch(order.CHECK)  # on by default; set_collective_order_check takes it off
+    for p in params:
+        if p.disk_files is not None:
+            p.disk_files.unit_key = id(unit)  # disk.py groups and reads ahead by unit
     for m in own_modules:
         cast_buffers(m, config.precision.buffer_dtype, skip=(), recurse=False)
     return unit
@@ -573,7 +597,7 @@ def _ignored_by_nested(
 ) -> list[tuple[nn.Module, str]]:
     """The outermost modules that nested ``wrapper`` ignores and ``config`` does not, with their
     paths (``path`` is the wrapper's)."""
-    extra = wrapper._unit.ignored_modules - config.ignored_modules
+    extra = wrapper._config.ignored_modules - config.ignored_modules
     found: list[tuple[nn.Module, str]] = []
     stack = [
         (f"{path}{name}.", child)

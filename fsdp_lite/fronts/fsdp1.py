@@ -70,7 +70,9 @@ class FullyShardedModule(nn.Module):
         mixed_precision: dtypes for the unsharded params, gradient reduction and buffers
             (torch FSDP1 semantics).
         ignored_modules: submodules whose parameters are left alone (not sharded, not reduced).
-        param_init_fn: not built yet; must be None.
+        param_init_fn: for a module on the meta device: called on each of its submodules
+            that hold meta tensors, once they are allocated on the compute device, one unit at a
+            time (default: their ``reset_parameters()``).
         device_id: the compute device; the module is moved there first.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         forward_prefetch: start the next unit's all-gather at the start of this unit's forward.
@@ -82,7 +84,8 @@ class FullyShardedModule(nn.Module):
         limit_all_gathers: accepted; at most one prefetched unit is ever in flight here.
         use_orig_params: accepted either way; parameters are always the original ones, sharded.
         ignored_states: parameters or modules to leave alone (like ``ignored_modules``).
-        device_mesh: a 1-D mesh to shard over, instead of ``process_group``.
+        device_mesh: the mesh to shard over, instead of ``process_group``: 1-D, or 2-D
+            (replicate, shard) for HYBRID_SHARD.
     """
 
     _unit: ShardedUnit  # its runtime (unit.runtime) is shared with the root, from the first forward
@@ -231,14 +234,14 @@ class FullyShardedModule(nn.Module):
         runtime = self._lazy_init()
         if not self._unit.is_root:
             raise RuntimeError("no_sync() must be called on the root FullyShardedModule")
-        previous = {unit: unit.requires_gradient_sync for unit in runtime.units}
+        previous = {unit: unit.settings.requires_gradient_sync for unit in runtime.units}
         for unit in runtime.units:
-            unit.requires_gradient_sync = False
+            unit.settings.requires_gradient_sync = False
         try:
             yield
         finally:
             for unit, flag in previous.items():
-                unit.requires_gradient_sync = flag
+                unit.settings.requires_gradient_sync = flag
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -542,13 +545,13 @@ def _summon_unit(
     previous = [[m._parameters[n] for m, n in p.locations] for p in unit.params]
     for p, param in zip(unit.params, shown):
         p.point_modules_to(param)
-    unit.training_state = TrainingState.SUMMON
+    unit.enter(TrainingState.SUMMON)
 
     def restore() -> None:
         for p, holders in zip(unit.params, previous):
             for (m, n), holder in zip(p.locations, holders):
                 m._parameters[n] = holder
-        unit.training_state = TrainingState.IDLE
+        unit.enter(TrainingState.IDLE)
 
     stack.callback(restore)
     if writeback:  # registered last, so it runs first: before the modules are restored

@@ -179,7 +179,7 @@ def fully_shard(
     if smaller_group is not None:
         unit.reshard_to_smaller_group(_post_forward_group(config.mesh, smaller_group))
     # torch: None frees after forward except at the root; True frees at the root too.
-    unit.root_keeps_params = reshard_after_forward is None
+    unit.settings.root_keeps_params = reshard_after_forward is None
     register_grad_hooks(unit, unit.params)
     for p in unit.params:
         p.point_modules_to(p.sharded_param)
@@ -436,28 +436,28 @@ class FSDPModule(TorchFSDPModule):
     ) -> None:
         """False: backward keeps local unsharded gradients (to accumulate) and reduces nothing."""
         for m in self._owners(recurse):
-            m._unit.requires_gradient_sync = requires_gradient_sync
+            m._unit.settings.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters within the shard group but skips the all-reduce across
         replicas, keeping the sum for the next backward that all-reduces (gradient accumulation
         with less traffic); the gradients land then. No effect without replicas."""
         for m in self._owners(recurse):
-            m._unit.requires_all_reduce = requires_all_reduce
+            m._unit.settings.requires_all_reduce = requires_all_reduce
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: this module's backward needs none of its parameters (an embedding: its weight's
         gradient reads only the indices and the output's gradient), so it all-gathers nothing."""
-        self._unit.unshard_in_backward = unshard_in_backward
+        self._unit.settings.unshard_in_backward = unshard_in_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the unsharded params (the root's too, as an explicit True does)."""
         for m in self._owners(recurse):
             unit = m._unit
-            unit.rules = dataclasses.replace(
-                unit.rules, reshard_after_forward=reshard_after_forward
+            unit.set_rules(
+                dataclasses.replace(unit.rules, reshard_after_forward=reshard_after_forward)
             )
-            unit.root_keeps_params = False
+            unit.settings.root_keeps_params = False
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -466,25 +466,21 @@ class FSDPModule(TorchFSDPModule):
         shards changed (Note [ZeRO-1] in unit.py)."""
         for m in self._owners(recurse):
             unit = m._unit
-            unit.rules = dataclasses.replace(
-                unit.rules, reshard_after_backward=reshard_after_backward
+            unit.set_rules(
+                dataclasses.replace(unit.rules, reshard_after_backward=reshard_after_backward)
             )
-            if reshard_after_backward:
-                unit.drop_kept_copy()  # what an earlier False kept between backwards
-            else:
-                unit.keep_current_copy()
 
     def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """Start these modules' all-gathers in this module's pre-forward, instead of the next's."""
-        self._unit.forward_prefetch_units = [_unit_of(m) for m in modules]
+        self._unit.settings.forward_prefetch_units = [_unit_of(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """Start these modules' all-gathers in this module's pre-backward, instead of the next's."""
-        self._unit.backward_prefetch_units = [_unit_of(m) for m in modules]
+        self._unit.settings.backward_prefetch_units = [_unit_of(m) for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Sum this module's gradients over the ranks, then divide by ``factor`` (1.0: the sum)."""
-        self._unit.gradient_divide_factor = float(factor)
+        self._unit.settings.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """torch's older name for ``set_gradient_divide_factor``."""
@@ -495,13 +491,13 @@ class FSDPModule(TorchFSDPModule):
 
     def set_post_optim_event(self, event: Any) -> None:
         """The next forward's first all-gather here waits for ``event`` (an optimizer step's)."""
-        self._unit.post_optim_event = event
+        self._unit.settings.post_optim_event = event
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: more backwards of this step follow (pipelining's microbatches); the step ends
         at the next backward with True. Every backward still lands the gradients it reduced."""
         for m in unit_owners(self):
-            m._unit.is_last_backward = is_last_backward
+            m._unit.settings.is_last_backward = is_last_backward
 
     def reset_iter_state(self) -> None:
         """Nothing to reset between iterations: per-step state resets at the end of backward."""

@@ -31,7 +31,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lite.api import OptimStateKeyType, StateDictType, as_ours
-from fsdp_lite.engine.param import shard_rows, with_local
+from fsdp_lite.engine.offload import with_local
+from fsdp_lite.engine.param import shard_rows
 from fsdp_lite.engine.runtime import to_rest
 from fsdp_lite.names import clean_name
 from fsdp_lite.state.state_dict import (

@@ -62,7 +62,8 @@ from fsdp_lite.api import (
     StateDictType,
     as_ours,
 )
-from fsdp_lite.engine.param import ShardedParam, with_local
+from fsdp_lite.engine.offload import with_local
+from fsdp_lite.engine.param import ShardedParam
 from fsdp_lite.engine.runtime import to_rest
 from fsdp_lite.engine.unit import ShardedUnit, unit_owners
 from fsdp_lite.names import clean_name

@@ -1,5 +1,9 @@
 """Collective-order checks: ranks that issue different collectives are named, not left to hang.
 
+The check is an observer of the units (engine/observe.py): ``OrderCheck.issued`` logs each
+collective and takes its wait over on CPU; the fronts attach it to every unit they build, and
+``set_collective_order_check`` takes it off or puts it back.
+
 Every rank of a group must issue fsdp_lite's collectives in the same order; a unit skipped on one
 rank (data-dependent control flow) breaks that, and the ranks then pair the wrong collectives: a
 hang at best (until the process group's timeout, with gloo's bare "Timed out waiting"), wrong
@@ -20,7 +24,8 @@ not been to are *watched*: each step's sequence is remembered as the hashes of i
 a collective whose prefix (this step's collectives so far, this one included) was not in one of
 the last ``SCHEDULES`` completed steps is waited on through the helper. Every other wait is
 *direct*, in the calling thread, while a watchdog thread publishes the log of any direct wait
-stalled for ``STALL_SECONDS``, so that watching peers can compare against it. Why that finds
+stalled for ``STALL_SECONDS`` (the helper thread does both jobs: it is idle during a direct
+wait), so that watching peers can compare against it. Why that finds
 divergences: if every rank repeats a sequence that it completed before, and the ranks' choices
 agree (they did last time), the collectives pair as they did. A rank that does something new (a
 unit skipped by data-dependent control flow, ``state_dict()`` on one rank only, the first
@@ -38,13 +43,16 @@ gloo. Not caught: a divergence among the backend's own collectives that pairs up
 (same count and sizes), and ranks that stall outside fsdp_lite's collectives.
 
 The logs are process-wide, one per group: a group's collectives are ordered per process,
-whichever root's runtime issues them (two pipeline stages on one rank share their dp group).
+whichever root's runtime issues them (two pipeline stages on one rank share their dp group). So
+there is one ``OrderCheck`` per process, ``CHECK``, which owns the logs and the helper thread and
+ends the thread at interpreter exit.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import json
 import queue
 import threading
@@ -53,14 +61,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_lite.engine.collectives import CollectiveError, wait_each
+from fsdp_lite.engine.observe import Collective, Observer
+from fsdp_lite.engine.unit import unit_owners
 
 __all__ = [
+    "CHECK",
     "STALL_SECONDS",
-    "CollectiveError",
     "CollectiveOrderError",
+    "OrderCheck",
     "OrderLog",
     "Stall",
     "log_for",
+    "set_collective_order_check",
     "wait",
 ]
 
@@ -73,10 +88,6 @@ _VERBS = {
     "reduce_scatter": "reduce-scattered",
     "all_reduce": "all-reduced",
 }
-
-
-class CollectiveError(RuntimeError):
-    """A unit's collective failed; the message says which, where in the step, and with whom."""
 
 
 class CollectiveOrderError(CollectiveError):
@@ -287,93 +298,76 @@ def _default_store() -> dist.Store | None:
         return None
 
 
-_LOGS: dict[tuple[int, ...], OrderLog] = {}
-
-
-def log_for(group: dist.ProcessGroup) -> OrderLog:
-    """This process's log of ``group`` (see the module docstring for why it is process-wide)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _LOGS:
-        _LOGS[ranks] = OrderLog(ranks)
-    return _LOGS[ranks]
-
-
-def wait(works: Sequence[dist.Work], on_stall: Callable[[], None]) -> None:
-    """``work.wait()`` each of ``works``, calling ``on_stall()`` each ``STALL_SECONDS`` they are
-    not done (a watched ``Stall``, or any other callable), or waiting directly while the
-    watchdog publishes the log (a ``Stall`` not watched; Note [Watched and direct waits]). A
-    failed work's error is raised here, after one more ``on_stall()``: a peer that found the
-    ranks diverged publishes its log, raises and exits, and the connection it closes fails this
-    wait; the check then names the divergence here too."""
-    stall = on_stall if isinstance(on_stall, Stall) else None
-    try:
-        if all(work.is_completed() for work in works):
-            _wait_each(works)
-        elif stall is not None and not stall.watch:
-            _WATCHDOG.wait(works, stall)
-        else:
-            _WAITER.wait(works, on_stall)
-    except CollectiveOrderError:
-        raise
-    except RuntimeError:
-        on_stall()  # raises CollectiveOrderError (chained to the failure) if the ranks diverged
-        raise
-    if stall is not None:
-        stall.done()
-
-
-class _Watchdog:
-    """A daemon thread that publishes the log of a direct wait stalled for ``STALL_SECONDS``
-    (Note [Watched and direct waits]); the calling thread blocks in ``Work.wait()`` itself."""
+class OrderCheck(Observer):
+    """The collective-order check, as an observer of units: it logs every collective on its
+    group's ``OrderLog`` and, on CPU, waits on it through ``wait`` (accelerator waits queue on a
+    stream and must not block the host). One per process: ``CHECK``."""
 
     def __init__(self) -> None:
-        self._current: tuple[Stall, float] | None = None
-        self._lock = threading.Lock()  # a wait does not end while its log is being published
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._logs: dict[tuple[int, ...], OrderLog] = {}
+        self._helper = _Helper()
 
-    def wait(self, works: Sequence[dist.Work], stall: Stall) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(
-                target=self._run, name="fsdp_lite-watchdog", daemon=True
-            )
-            self._thread.start()
-        self._current = (stall, time.monotonic())
+    def log_for(self, group: dist.ProcessGroup) -> OrderLog:
+        """This process's log of ``group`` (see the module docstring for why it is process-wide)."""
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks not in self._logs:
+            self._logs[ranks] = OrderLog(ranks)
+        return self._logs[ranks]
+
+    def issued(self, op: Collective) -> None:
+        stall = self.log_for(op.group).issued(op.step, op.kind, op.unit, op.phase, op.numel)
+        if op.device.type == "cpu":
+            op.waiter = functools.partial(self.wait, on_stall=stall)
+
+    def wait(self, works: Sequence[dist.Work], on_stall: Callable[[], None]) -> None:
+        """``work.wait()`` each of ``works``, calling ``on_stall()`` each ``STALL_SECONDS`` they
+        are not done (a watched ``Stall``, or any other callable), or waiting directly while the
+        helper publishes the log (a ``Stall`` not watched; Note [Watched and direct waits]). A
+        failed work's error is raised here, after one more ``on_stall()``: a peer that found the
+        ranks diverged publishes its log, raises and exits, and the connection it closes fails
+        this wait; the check then names the divergence here too."""
+        stall = on_stall if isinstance(on_stall, Stall) else None
         try:
-            _wait_each(works)
-        finally:
-            with self._lock:
-                self._current = None
+            if all(work.is_completed() for work in works):
+                wait_each(works)
+            elif stall is not None and not stall.watch:
+                self._helper.direct(works, stall)
+            else:
+                self._helper.watched(works, on_stall)
+        except CollectiveOrderError:
+            raise
+        except RuntimeError:
+            on_stall()  # raises CollectiveOrderError (chained to the failure) if the ranks diverged
+            raise
+        if stall is not None:
+            stall.done()
 
-    def stop(self) -> None:
-        """End the thread (at interpreter exit, as the waiter's)."""
-        self._stop.set()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join(timeout=STALL_SECONDS + 1.0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(STALL_SECONDS / 2):
-            with self._lock:
-                current = self._current
-                if current is None or time.monotonic() - current[1] < STALL_SECONDS:
-                    continue
-                if not current[0].published:  # once per wait: a stalled rank's log is fixed
-                    current[0].publish()
+    def close(self) -> None:
+        """End the helper thread (at interpreter exit: no thread of ours is left in finalization)."""
+        self._helper.stop()
 
 
-class _Waiter:
-    """A daemon thread that blocks in ``Work.wait()`` for the calling thread, which wakes each
-    ``STALL_SECONDS`` meanwhile: gloo's point-to-point works report ``is_completed()`` only
-    after a ``wait()``, so polling cannot tell a slow collective from a stuck one."""
+class _Helper:
+    """One daemon thread with two jobs (Note [Watched and direct waits]): it blocks in
+    ``Work.wait()`` for a watched wait while the calling thread wakes each ``STALL_SECONDS`` to
+    compare logs (gloo's point-to-point works report ``is_completed()`` only after a ``wait()``,
+    so polling cannot tell a slow collective from a stuck one); and while the calling thread
+    waits directly, it publishes that wait's log once it has stalled ``STALL_SECONDS``. The two
+    never overlap: during a watched wait the calling thread waits for this one."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._direct: tuple[Stall, float] | None = None  # a direct wait and when it began
+        self._lock = threading.Lock()  # a direct wait does not end while its log is published
 
-    def wait(self, works: Sequence[dist.Work], on_stall: Callable[[], None]) -> None:
+    def _running(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="fsdp_lite-waiter", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="fsdp_lite-order", daemon=True)
             self._thread.start()
+
+    def watched(self, works: Sequence[dist.Work], on_stall: Callable[[], None]) -> None:
+        self._running()
         done, failure = threading.Event(), []
         self._jobs.put((works, done, failure))
         while not done.wait(STALL_SECONDS):
@@ -381,35 +375,68 @@ class _Waiter:
         if failure:
             raise failure[0]
 
+    def direct(self, works: Sequence[dist.Work], stall: Stall) -> None:
+        self._running()
+        self._direct = (stall, time.monotonic())
+        try:
+            wait_each(works)
+        finally:
+            with self._lock:
+                self._direct = None
+
     def stop(self) -> None:
-        """End the thread (at interpreter exit: no thread of ours is left in finalization)."""
         if self._thread is not None and self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join(timeout=1.0)
+            self._thread.join(timeout=STALL_SECONDS + 1.0)
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=STALL_SECONDS / 2)
+            except queue.Empty:
+                self._publish_if_stalled()
+                continue
             if job is None:
                 return
             works, done, failure = job
             try:
-                _wait_each(works)
+                wait_each(works)
             except BaseException as e:  # handed to the waiting thread, which raises it
                 failure.append(e)
             # Dropped before the waiter wakes: a work holds its tensors (a unit's whole buffer),
             # which would otherwise stay alive until the next job.
-            del works
+            del works, job
             done.set()
             del done, failure
 
+    def _publish_if_stalled(self) -> None:
+        with self._lock:
+            current = self._direct
+            if current is None or time.monotonic() - current[1] < STALL_SECONDS:
+                return
+            if not current[0].published:  # once per wait: a stalled rank's log is fixed
+                current[0].publish()
 
-def _wait_each(works: Sequence[dist.Work]) -> None:
-    for work in works:  # in a function of its own: no loop variable outlives the wait
-        work.wait()
+
+CHECK = OrderCheck()
+atexit.register(CHECK.close)
 
 
-_WAITER = _Waiter()
-_WATCHDOG = _Watchdog()
-atexit.register(_WAITER.stop)
-atexit.register(_WATCHDOG.stop)
+def log_for(group: dist.ProcessGroup) -> OrderLog:
+    """This process's log of ``group`` (``CHECK.log_for``)."""
+    return CHECK.log_for(group)
+
+
+def wait(works: Sequence[dist.Work], on_stall: Callable[[], None]) -> None:
+    """``CHECK.wait``: wait on ``works`` as the order check does."""
+    CHECK.wait(works, on_stall)
+
+
+def set_collective_order_check(module: nn.Module, enabled: bool) -> None:
+    """Turn the collective-order check on or off for every unit in ``module``'s tree, of either
+    front. On by default."""
+    for owner in unit_owners(module):
+        if enabled:
+            owner._unit.watch(CHECK)
+        else:
+            owner._unit.unwatch(CHECK)

@@ -12,7 +12,7 @@ bytes by category (``MemorySample``). ``explain(model)`` returns the sharding pl
 #
 # Times are time.perf_counter() seconds since this rank's trace began; ranks' clocks are not aligned.
 # A collective's `start` is when the unit issued it, its `end` when this rank's wait on it returned
-# (`wait_for_unshard` for all-gathers, `finish_reduce` for reductions; right after the call for the
+# (`wait_for_unshard` for all-gathers, `advance_reduce` for reductions; right after the call for the
 # synchronous ones). On CPU/gloo that is when the waiting rank observed completion: an all-gather
 # prefetched early may have finished long before its `end`, and a wait that returns at once still
 # shows the time until somebody asked. Compute spans are inclusive: the root's forward contains its
@@ -28,6 +28,7 @@ bytes by category (``MemorySample``). ``explain(model)`` returns the sharding pl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_lite.api import STRATEGY_RULES, Rules
+from fsdp_lite.engine.observe import Collective, Observer
 from fsdp_lite.engine.runtime import lazy_init
 from fsdp_lite.engine.unit import unit_owners
 
@@ -111,13 +114,15 @@ class MemorySample:
         )
 
 
-@dataclass
-class CollectiveTrace:
-    """What one rank did inside one ``record_collectives`` block.
+@dataclass(eq=False)
+class CollectiveTrace(Observer):
+    """What one rank did inside one ``record_collectives`` block; an observer of its units
+    (engine/observe.py).
 
-    ``step`` counts training steps: it moves on at the root's first forward event (its all-gather,
-    or its forward if it has nothing to gather) after a backward has ended, so an optimizer step
-    belongs to the step whose gradients it applies.
+    ``step`` counts training steps from 0, the first step the trace saw: it is the runtime's
+    step (which moves on when a step's last backward ends) less the first one seen, and moves
+    on at the first event of the next step (the root's all-gather in forward), so that an
+    optimizer step marked with ``span`` belongs to the step whose gradients it applies.
     """
 
     records: list[CollectiveRecord] = field(default_factory=list)
@@ -129,45 +134,43 @@ class CollectiveTrace:
     units: list = field(default_factory=list, repr=False)  # ShardedUnits sampled for memory
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
     t0: float = field(default_factory=time.perf_counter, repr=False)
-    _backward_ended: bool = field(default=False, repr=False)
+    _first_step: int | None = field(default=None, repr=False)  # the runtime's, at step 0
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    # ---- called by units and the runtime -------------------------------------------------------
+    # ---- the observer's hooks (called by the units) ----------------------------------------------
 
-    def record(self, kind: str, unit: str, phase: str, tensor: torch.Tensor) -> None:
-        """A unit is about to start a collective on ``tensor`` (this rank's input)."""
-        self._next_step_if(unit == "" and phase == "forward")
+    def issued(self, op: Collective) -> None:
+        """A unit is about to start a collective; ``op.numel`` is this rank's input."""
+        self._at_step(op.step)
         self.records.append(
             CollectiveRecord(
-                kind, unit, phase, tensor.dtype, tensor.numel(), self.step, start=self.now()
+                op.kind, op.unit, op.phase, op.dtype, op.numel, self.step, start=self.now()
             )
         )
-        self.sample(f"{kind} start {unit or '<root>'}")
+        self.sample(f"{op.kind} start {op.unit or '<root>'}")
 
-    def collective_done(self, unit: str, kind: str) -> None:
-        """This rank's wait on the unit's latest open ``kind`` collective returned."""
+    def waited(self, op: Collective) -> None:
+        """This rank's wait on the unit's latest open collective of ``op``'s kind returned."""
         for r in reversed(self.records):
-            if r.unit == unit and r.kind == kind and r.end is None:
+            if r.unit == op.unit and r.kind == op.kind and r.end is None:
                 r.end = self.now()
-                self.sample(f"{kind} end {unit or '<root>'}")
+                self.sample(f"{op.kind} end {op.unit or '<root>'}")
                 return
 
-    def compute(self, unit, phase: str, edge: str) -> None:
+    def compute(self, unit: str, phase: str, edge: str, step: int) -> None:
         """A unit's ``phase`` ("forward" or "backward") computation begins or ends (``edge``)."""
-        name = unit.name
+        self._at_step(step)
         if edge == "begin":
-            self._next_step_if(unit.is_root and phase == "forward")
-            self.begin(name, phase)
+            self.begin(unit, phase)
         else:
-            self.end(name, phase)
-            self._backward_ended |= phase == "backward"
+            self.end(unit, phase)
 
-    def _next_step_if(self, root_forward: bool) -> None:
-        if root_forward and self._backward_ended:
-            self.step += 1
-            self._backward_ended = False
+    def _at_step(self, runtime_step: int) -> None:
+        if self._first_step is None:
+            self._first_step = runtime_step
+        self.step = runtime_step - self._first_step
 
     def begin(self, label: str, phase: str) -> None:
         self.spans.append(ComputeSpan(label, phase, self.step, self.now()))
@@ -258,10 +261,9 @@ def unit_nbytes(unit, optim_state) -> dict[str, int]:
         return total
 
     params = unit.params
-    pending = [unit._all_gather.all_gather_output] if unit._all_gather is not None else []
-    if unit._pending_reduce is not None:
-        result = unit._pending_reduce.result
-        pending += [result.input, result.output]
+    pending = unit.buffers_in_flight()
+    if unit.runtime is not None:
+        pending += unit.runtime.buffers_in_flight(unit)
     unsharded_grads = [p.unsharded_param.grad for p in params if p.unsharded_param is not None]
     counts = {
         "params": nbytes(p.sharded_flat for p in params),
@@ -302,14 +304,14 @@ def record_collectives(
         optimizer=optimizer,
     )
     for w in wrappers:
-        w._unit.trace = trace
+        w._unit.watch(trace)
     trace.sample("trace begin")
     try:
         yield trace
     finally:
         trace.sample("trace end")
         for w in wrappers:
-            w._unit.trace = None
+            w._unit.unwatch(trace)
 
 
 def _one_owner_per_unit(model: nn.Module) -> list[nn.Module]:
@@ -340,7 +342,7 @@ def explain(model: nn.Module) -> str:
         reduce = precision.reduce_dtype or compute
         padding = sum(p.padded_numel - p.numel for p in unit.params)
         lines.append(
-            f"unit {unit.name or '<root>'}: {w._config.strategy.name}, "
+            f"unit {unit.name or '<root>'}: {_strategy_name(unit.rules)}, "
             f"rank {unit.rank} of {unit.world_size}, {len(unit.params)} params, "
             f"unit_shard_numel {unit.unit_shard_numel}, padding {padding}, "
             f"shard {_dtype_name(dtype)} / compute {_dtype_name(compute)} / reduce {_dtype_name(reduce)}"
@@ -362,6 +364,15 @@ def explain(model: nn.Module) -> str:
                 )
             lines.append(line)
     return "\n".join(lines)
+
+
+def _strategy_name(rules: Rules) -> str:
+    """The strategy whose rules a unit follows now (FSDP2's setters may have changed them)."""
+    for strategy, known in STRATEGY_RULES.items():
+        if known == rules:
+            return strategy.name
+    fields = ", ".join(f"{f.name}={getattr(rules, f.name)}" for f in dataclasses.fields(rules))
+    return f"Rules({fields})"
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
