@@ -145,6 +145,28 @@ def _save_under_a_file(c: Ctx) -> None:
     checkpoint.save(model, torch.optim.SGD(model.parameters(), lr=0.1), c.tmp / "a_file" / "ckpt")
 
 
+class _TiedSiblings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class _TwoDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4).double()
+
+
+def _fully_shard_siblings_sharing_a_param(c: Ctx) -> None:
+    model = _TiedSiblings()
+    fully_shard(model.emb)
+    fully_shard(model.head)
+    fully_shard(model)
+
+
 def _fully_shard_twice(c: Ctx) -> None:
     linear = nn.Linear(4, 4)
     fully_shard(linear)
@@ -255,6 +277,10 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     ),
     "hybrid_world_not_a_multiple": _hybrid_shard_over_nodes_of_3,
     "auto_wrap_over_wrapped_child": _auto_wrap_over_a_wrapped_child,
+    "two_dtypes_in_a_unit": lambda c: FSDP(_TwoDtypes()),
+    "siblings_share_a_param": lambda c: FSDP(
+        _TiedSiblings(), auto_wrap_policy=ModuleWrapPolicy({nn.Embedding, nn.Linear})
+    ),
     # disk offload
     "offload_dir_without_offload_params": lambda c: FSDP(
         c.mlp(), cpu_offload=CPUOffload(offload_params=False, offload_dir=c.tmp)
@@ -288,6 +314,14 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "shard_placement_uneven": lambda c: fully_shard(
         nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None
     ),
+    "reshard_after_forward_string": lambda c: fully_shard(
+        nn.Linear(4, 4), reshard_after_forward="yes"
+    ),
+    "set_reshard_after_forward_int": lambda c: fully_shard(
+        nn.Linear(4, 4)
+    ).set_reshard_after_forward(2),
+    "fully_shard_two_dtypes": lambda c: fully_shard(_TwoDtypes()),
+    "fully_shard_siblings_share_a_param": _fully_shard_siblings_sharing_a_param,
     "mesh_3d": lambda c: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 2, 1))),
     "prefetch_a_plain_module": _prefetch_a_plain_module,
     "torch_reads_a_state_attribute": _torch_reads_a_state_attribute,

@@ -49,6 +49,7 @@ from fsdp_lite.fronts.construct import (
     _nested_config,
     _resolve_configs,
     check_tensor_parallel_params,
+    check_unit_params,
 )
 from fsdp_lite.names import WRAPPED, WRAPPED_PREFIX, clean_name
 
@@ -131,6 +132,8 @@ class FullyShardedModule(nn.Module):
             _config = _nesting.config_for(module, kwargs)
         self._config = _config
         self._fsdp_wrapped_module = module
+        # Auto-wrapped units are known only now, after the model comparison across ranks.
+        check_unit_params(module, _config, "FullyShardedDataParallel")
         self._unit = _build_unit(module, _config)
         register_grad_hooks(self._unit, self._unit.params)
         for p in self._unit.params:
@@ -144,6 +147,8 @@ class FullyShardedModule(nn.Module):
         config = _make_config(module, kwargs)
         _move_to_device(module, config)
         check_tensor_parallel_params(module, config, "FullyShardedDataParallel")
+        if kwargs["auto_wrap_policy"] is None:  # the unit is known: check it before any collective
+            check_unit_params(module, config, "FullyShardedDataParallel")
         # Collectives start here; everything above fails locally, before any rank can hang.
         _check_same_model_across_ranks(module, config)
         if config.sync_module_states and not _has_meta(list(module.modules())):
