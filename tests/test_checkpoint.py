@@ -239,7 +239,7 @@ def _check_resume_from_4(rank, world_size, tmp, saved_at_4, killed):
     """The world-size-4 checkpoint loads exactly and training goes on as if never stopped."""
     model, optim = _lm()
     checkpoint.load(model, optim, f"{saved_at_4}/ckpt")
-    want = torch.load(f"{saved_at_4}/expected.pt", weights_only=False)
+    want = torch.load(f"{saved_at_4}/expected.pt", weights_only=True)
     _assert_same_state(_full_state(model, optim), want, f"loaded at {world_size} ranks")
     return _resume_losses(model, optim, rank, world_size)
 
@@ -247,7 +247,7 @@ def _check_resume_from_4(rank, world_size, tmp, saved_at_4, killed):
 def _check_load_after_killed_save(rank, world_size, tmp, saved_at_4, killed):
     model, optim = _lm()
     checkpoint.load(model, optim, f"{killed}/ckpt")
-    want = torch.load(f"{killed}/expected.pt", weights_only=False)
+    want = torch.load(f"{killed}/expected.pt", weights_only=True)
     _assert_same_state(_full_state(model, optim), want, "the checkpoint before the killed save")
     # Saving again over the same path clears the dead save's leftovers.
     work = Path(tmp) / "again"
@@ -435,7 +435,7 @@ def test_checkpoint_saved_at_4_ranks_loads_into_a_plain_module(saved_at_4):
     model = build_model("lm")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     checkpoint.load(model, optim, tmp / "ckpt")
-    want = torch.load(tmp / "expected.pt", weights_only=False)
+    want = torch.load(tmp / "expected.pt", weights_only=True)
     got = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
     _assert_same_state(got, want, "plain module")
     losses = _resume_losses(model, optim, rank=0, world_size=1)
@@ -449,8 +449,8 @@ def test_checkpoint_converts_offline_to_one_torch_save_file(saved_at_4):
 
     tmp, _, _ = saved_at_4
     dcp_to_torch_save(tmp / "ckpt", tmp / "converted.pt")
-    converted = torch.load(tmp / "converted.pt", weights_only=False)
-    want = torch.load(tmp / "expected.pt", weights_only=False)
+    converted = torch.load(tmp / "converted.pt", weights_only=True)
+    want = torch.load(tmp / "expected.pt", weights_only=True)
     for key, value in want["model"].items():
         assert_close(converted["model"][key], value, what=f"converted {key}", **EXACT)
     exp_avg = converted["optim"]["state"]["tok.weight"]["exp_avg"]

@@ -228,6 +228,56 @@ def _unreadable_metadata(c: Ctx) -> None:
     checkpoint.load(model, optim, c.tmp / "ckpt")
 
 
+class _Pwned:
+    """Unpickling it would run a shell command (it never does here: the tests check the text)."""
+
+    def __reduce__(self):
+        return os.system, ("echo pwned",)
+
+
+def _dcp_checkpoint(c: Ctx, change=None):
+    """A model, its optimizer and a DCP checkpoint of them (``change(state)`` first), by torch."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_lite.state.checkpoint import checkpoint_state
+
+    model = c.units()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = checkpoint_state(model, optim)
+    if change is not None:
+        change(state)
+    dcp.save(state, checkpoint_id=c.tmp / "ckpt")
+    return model, optim, c.tmp / "ckpt"
+
+
+def _load_with_a_new_metadata(c: Ctx, change) -> None:
+    """Rank 0 rewrites the checkpoint's .metadata (``change(metadata)`` returns what to pickle)."""
+    import pickle
+
+    from fsdp_lite.state.checkpoint_files import read_metadata
+
+    model, optim, path = _dcp_checkpoint(c)
+    if c.rank == 0:
+        metadata = read_metadata(path / ".metadata")
+        (path / ".metadata").write_bytes(pickle.dumps(change(metadata)))
+    dist.barrier()
+    checkpoint.load(model, optim, path)
+
+
+def _outside(metadata):
+    info = next(iter(metadata.storage_data.values()))
+    info.relative_path = "../elsewhere.distcp"
+    return metadata
+
+
+def _crafted_param_group(c: Ctx) -> None:
+    def poison(state):
+        state["optim"]["param_groups"][0]["lr"] = _Pwned()
+
+    model, optim, path = _dcp_checkpoint(c, poison)
+    checkpoint.load(model, optim, path)
+
+
 def _hybrid_shard_over_nodes_of_3(c: Ctx) -> None:
     with mock.patch.dict(os.environ, LOCAL_WORLD_SIZE="3"):
         FSDP(c.mlp(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
@@ -384,6 +434,10 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     ),
     "save_under_a_file": _save_under_a_file,
     "unreadable_metadata": _unreadable_metadata,
+    "crafted_metadata": lambda c: _load_with_a_new_metadata(c, lambda m: _Pwned()),
+    "metadata_not_metadata": lambda c: _load_with_a_new_metadata(c, lambda m: [1, 2]),
+    "data_file_outside": lambda c: _load_with_a_new_metadata(c, _outside),
+    "crafted_param_group": _crafted_param_group,
     # the planner
     "estimate_world_size_0": lambda c: estimate(1e6, world_size=0),
     "estimate_shard_size_not_dividing": lambda c: estimate(1e6, world_size=4, shard_size=3),

@@ -34,11 +34,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdp_lite.api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 from fsdp_lite.state import optim_state
+from fsdp_lite.state.checkpoint_files import (
+    CheckpointError,
+    SafeLoadPlanner,
+    SafeReader,
+    inside,
+    read_metadata,
+)
 from fsdp_lite.state.state_dict import state_dict_type, wrappers_in
 
 __all__ = ["CheckpointError", "load", "save"]
@@ -46,10 +54,6 @@ __all__ = ["CheckpointError", "load", "save"]
 log = logging.getLogger("fsdp_lite")
 
 METADATA = ".metadata"  # DCP's metadata file, written last by the coordinator rank
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete, or that does not match the model it is loaded into."""
 
 
 def _siblings(path: Path) -> tuple[Path, Path]:
@@ -179,39 +183,47 @@ def load(
     optim: torch.optim.Optimizer | None,
     path: str | os.PathLike,
     strict: bool = True,
+    allow_code_execution: bool = False,
 ) -> None:
     """Load a checkpoint written by ``save`` (or a DCP ``{"model", "optim"}`` checkpoint).
 
     The world size may differ from the save's; a model without wrappers loads it in one process.
+    Nothing in the files runs: see Note [What a checkpoint may run] in checkpoint_files.py.
 
     Args:
         model: the root module, built as when saving (wrapped or not, any world size).
         optim: its optimizer (state is created if it has none yet), or None for the model alone.
         path: the checkpoint directory.
         strict: also fail on model keys that the checkpoint has and the model lacks.
+        allow_code_execution: read the metadata and non-tensor items with plain pickle, as
+            torch's ``dcp.load`` does: a crafted checkpoint then runs its code in this process.
+            Default False: only for trusted files that hold other Python objects.
 
     Raises:
         CheckpointError: the checkpoint is missing, incomplete (no metadata, a missing or short
-            data file) or does not match the model; the message names the keys.
+            data file), refers to code (naming the file and the global), or does not match the
+            model; the message names the keys.
     """
     path = _existing(Path(path))
     group = _group(model)
     if optim is not None:
         _init_optim_state(optim)
     state = checkpoint_state(model, optim)
-    metadata = _read_metadata(path)
+    metadata = _read_metadata(path, allow_code_execution)
     _check_files(path, metadata)
     _check_keys(path, state, metadata, strict)
     try:
         with _single_process_is_intended(group):
             dcp.load(
                 state,
-                storage_reader=FileSystemReader(path),
+                storage_reader=SafeReader(path, metadata),
+                planner=SafeLoadPlanner(path, allow_code_execution),
                 process_group=group,
                 no_dist=group is None,
             )
-    except Exception as e:  # DCP wraps every rank's failure in a CheckpointException
-        raise CheckpointError(f"loading checkpoint {path} failed: {e}") from e
+    # DCP gathers every rank's failure into a CheckpointException, a BaseException
+    except (Exception, CheckpointException) as e:
+        raise _from_dcp(e, f"loading checkpoint {path}", group) from e
     # dcp.load wrote into the live shards already; loading again goes through the checks and
     # puts each tensor where the model and optimizer keep it.
     model.load_state_dict(state["model"], strict=strict)
@@ -232,7 +244,25 @@ def _existing(path: Path) -> Path:
     raise CheckpointError(f"no checkpoint at {path}{hint}")
 
 
-def _read_metadata(path: Path) -> Metadata:
+def _from_dcp(e: BaseException, doing: str, group: dist.ProcessGroup | None) -> CheckpointError:
+    """One error for every rank from DCP's failure: fsdp_lite's own check in its words (with the
+    rank that found it), else each failing rank's error in one line."""
+    if isinstance(e, CheckpointException):
+        failures = {rank: error for rank, (error, _) in sorted(e.failures.items())}
+    else:
+        failures = {dist.get_rank(group) if group is not None else 0: e}
+    everyone = group is None or len(failures) == dist.get_world_size(group)
+    for rank, error in failures.items():
+        if isinstance(error, CheckpointError):
+            return CheckpointError(f"{error}" + ("" if everyone else f" (on rank {rank})"))
+    lines = "; ".join(
+        f"rank {rank}: {type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        for rank, error in failures.items()
+    )
+    return CheckpointError(f"{doing} failed: {lines}")
+
+
+def _read_metadata(path: Path, allow_code_execution: bool) -> Metadata:
     metadata_file = path / METADATA
     if not metadata_file.exists():
         raise CheckpointError(
@@ -240,8 +270,8 @@ def _read_metadata(path: Path) -> Metadata:
             f"(the save did not finish, or the file was removed)"
         )
     try:
-        return FileSystemReader(path).read_metadata()
-    except (EOFError, pickle.UnpicklingError, AttributeError, ValueError) as e:
+        return read_metadata(metadata_file, allow_code_execution)
+    except (EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path} has an unreadable {METADATA}: {e}") from e
 
 
@@ -255,6 +285,10 @@ def _check_files(path: Path, metadata: Metadata) -> None:
     problems = []
     for name, size in sorted(needs.items()):
         file = path / name
+        if not inside(path, name):
+            raise CheckpointError(
+                f"checkpoint {path} names a data file outside its directory: {name!r}"
+            )
         if not file.exists():
             problem = "is missing"
         elif file.stat().st_size < size:
