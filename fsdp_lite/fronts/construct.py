@@ -179,7 +179,7 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
         replicate_group=replicate_group,
         cpu_offload=kw["cpu_offload"],
         storage_device=offload.storage_device(device, offload_params),
-        disk=_disk_store(kw["cpu_offload"], dist.get_rank()),
+        disk=None,  # made with the other ranks: open_disk_store
         param_init_fn=kw["param_init_fn"],
         sync_module_states=kw["sync_module_states"],
         device=device,
@@ -189,6 +189,42 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
         ignored_modules=frozenset(ignored_modules),
         precision=precision,
     )
+
+
+def open_disk_store(config: UnitConfig) -> UnitConfig:
+    """``config`` with this rank's files for ``CPUOffload(offload_dir=...)``: checked and made on
+    every rank, then one all-gather, so a rank whose directory is missing or whose disk refused
+    fails every rank before any other collective (see ``on_every_rank``)."""
+    if config.cpu_offload is None or config.cpu_offload.offload_dir is None:
+        return config
+    disk = _agreed(config, lambda: _disk_store(config.cpu_offload, dist.get_rank()))
+    return dataclasses.replace(config, disk=disk)
+
+
+def on_every_rank(config: UnitConfig, step: Callable[[], Any]) -> Any:
+    """``step()``; under disk offload, whose files a full disk can refuse on one rank only,
+    followed by one all-gather of whether it failed anywhere, so that no rank goes on into a
+    collective that a failed rank will never join."""
+    return step() if config.disk is None else _agreed(config, step)
+
+
+def _agreed(config: UnitConfig, step: Callable[[], Any]) -> Any:
+    """``step()`` here, then every rank learns whether it failed on any rank: the failed rank
+    raises its own error, the others a RuntimeError naming it. Shard group first, then across
+    replicas, each passing on what it heard, so every rank has heard of every failure."""
+    try:
+        result, error = step(), None
+    except Exception as e:  # noqa: BLE001 - raised below, after the other ranks heard of it
+        result, error = None, e
+    heard = None if error is None else f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
+    for group in _data_parallel_groups(config):
+        failures = [f for f in collectives.all_gather_objects(heard, group=group) if f]
+        heard = heard or (failures[0] if failures else None)
+    if error is not None:
+        raise error
+    if heard is not None:
+        raise RuntimeError(f"wrapping failed on {heard}")
+    return result
 
 
 def _disk_store(cpu_offload: CPUOffload | None, rank: int) -> DiskStore | None:
