@@ -34,6 +34,7 @@ import pickle
 import resource
 import shutil
 import warnings
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,6 @@ def save(model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.P
         manifest = Manifest(generation, _describe_metadata(path, generation), described)
         files.write_atomically(path / files.MANIFEST, manifest.dumps(), generation, "manifest")
         claimed["committed"] = True  # from here on the new generation is the checkpoint
-        files.fsync_dir(path)
         _after_commit(path, generation, manifest)
 
     try:
@@ -187,8 +187,7 @@ def _claim(path: Path) -> tuple[int, int, str]:
         generation = max([0, *found, manifest.generation if manifest else 0]) + 1
         note = files.lock_note(generation)
         os.ftruncate(lock, 0)
-        os.pwrite(lock, note.encode(), 0)
-        os.fsync(lock)
+        os.pwrite(lock, note.encode(), 0)  # for messages only: not synced
         # Loads lock this one; they open it read-only, so it is made here.
         files.unlock(files.try_lock(path / files.READERS_LOCK, exclusive=False, create=True))
     except BaseException:
@@ -231,22 +230,25 @@ def _describe_metadata(path: Path, generation: int) -> dict[str, Any]:
 
 
 def _after_commit(path: Path, generation: int, manifest: Manifest) -> None:
-    """Rank 0, once the manifest names the new generation: torch's ``.metadata`` too, then the
-    older files go. A failure here leaves a saved checkpoint, so it is logged, not raised."""
+    """Rank 0, once the manifest names the new generation: torch's ``.metadata`` too, one sync
+    of the directory for both renames, then the older files go. Past the manifest's rename the
+    checkpoint is saved, so a failure to update ``.metadata`` is logged, not raised."""
     try:
         metadata = (path / manifest.metadata["name"]).read_bytes()
         files.write_atomically(path / files.DCP_METADATA, metadata, generation, "dcp")
-        files.fsync_dir(path)
+        updated = True
     except OSError:
-        # torch's readers still see the previous generation, whose files stay
+        # torch's readers still see the previous generation, whose files then stay
         log.warning(
             "checkpoint %s is saved, but its .metadata is the previous one", path, exc_info=True
         )
-        return
-    try:
-        _delete_older(path, manifest.names())
-    except OSError:
-        log.warning("checkpoint %s is saved; deleting older files failed", path, exc_info=True)
+        updated = False
+    files.fsync_dir(path)  # the renames are durable before any file they replaced is deleted
+    if updated:
+        try:
+            _delete_older(path, manifest.names())
+        except OSError:
+            log.warning("checkpoint %s is saved; deleting older files failed", path, exc_info=True)
 
 
 def _delete_older(path: Path, keep: set[str]) -> None:
@@ -438,6 +440,7 @@ def _open(
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {path}")
     manifest = files.read_manifest(path)
+    data = None  # read by read_metadata
     if manifest is None:  # a DCP checkpoint fsdp_lite did not write, or from before manifests
         metadata_file = path / files.DCP_METADATA
         if not metadata_file.exists() and (path / files.SAVE_LOCK).exists():
@@ -457,13 +460,14 @@ def _open(
                 f"checkpoint {path} is incomplete: its metadata file {manifest.metadata['name']} "
                 "is missing"
             )
-        if files.crc32_of(metadata_file) != manifest.metadata["crc32"]:
+        data = metadata_file.read_bytes()  # checked, then unpickled: the same bytes
+        if zlib.crc32(data) != manifest.metadata["crc32"]:
             raise CheckpointError(
                 f"checkpoint {path} is corrupt: its metadata file {manifest.metadata['name']} "
                 "does not match the checksum its manifest recorded; restore it, or save again"
             )
     try:
-        metadata = files.read_metadata(metadata_file, allow_code_execution)
+        metadata = files.read_metadata(metadata_file, allow_code_execution, data)
     except (EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError) as e:
         raise CheckpointError(
             f"checkpoint {path} has an unreadable {metadata_file.name}: {e}"

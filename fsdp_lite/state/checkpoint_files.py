@@ -130,13 +130,13 @@ def _refused(where: str, what: str) -> str:
     )
 
 
-def read_metadata(file: Path, allow_code_execution: bool = False) -> Metadata:
-    """The ``Metadata`` pickled in ``file``, unpickled safely (Note [What a checkpoint may run])."""
-    with open(file, "rb") as f:
-        if allow_code_execution:
-            metadata = pickle.load(f)
-        else:
-            metadata = _SafeUnpickler(f, file).load()
+def read_metadata(
+    file: Path, allow_code_execution: bool = False, data: bytes | None = None
+) -> Metadata:
+    """The ``Metadata`` pickled in ``file`` (whose bytes are ``data``, if already read),
+    unpickled safely (Note [What a checkpoint may run])."""
+    f = io.BytesIO(file.read_bytes() if data is None else data)
+    metadata = pickle.load(f) if allow_code_execution else _SafeUnpickler(f, file).load()
     if not isinstance(metadata, Metadata):
         raise CheckpointError(
             f"checkpoint file {file} holds a {type(metadata).__name__}, not DCP's Metadata"
@@ -152,6 +152,7 @@ class SafeReader(FileSystemReader):
         super().__init__(path)
         self.metadata = metadata
         self.manifest = manifest
+        self.crcs = manifest.item_crcs() if manifest is not None else {}
         self.holds = {  # (file, offset) -> the key stored there, for messages
             (info.relative_path, info.offset): index.fqn
             for index, info in metadata.storage_data.items()
@@ -165,7 +166,7 @@ class SafeReader(FileSystemReader):
             return super()._slice_file(file, sinfo)
         file.seek(sinfo.offset)
         data = file.read(sinfo.length)
-        expected = self.manifest.item_crc(sinfo.relative_path, sinfo.offset, sinfo.length)
+        expected = self.crcs.get((sinfo.relative_path, sinfo.offset, sinfo.length))
         if expected is None or zlib.crc32(data) != expected:
             key = self.holds.get((sinfo.relative_path, sinfo.offset), "?")
             end = sinfo.offset + sinfo.length
@@ -245,11 +246,13 @@ class Manifest:
     metadata: dict[str, Any]  # {"name": ..., "size": bytes, "crc32": ...}
     files: dict[str, dict[str, Any]]  # name -> {"size": bytes, "items": [[offset, length, crc32]]}
 
-    def item_crc(self, name: str, offset: int, length: int) -> int | None:
-        for item_offset, item_length, crc in self.files.get(name, {}).get("items", ()):
-            if (item_offset, item_length) == (offset, length):
-                return crc
-        return None
+    def item_crcs(self) -> dict[tuple[str, int, int], int]:
+        """(file, offset, length) -> crc32 of every item."""
+        return {
+            (name, offset, length): crc
+            for name, entry in self.files.items()
+            for offset, length, crc in entry["items"]
+        }
 
     def names(self) -> set[str]:
         return {self.metadata["name"], *self.files}
@@ -280,37 +283,39 @@ def read_manifest(path: Path) -> Manifest | None:
     return Manifest(**body)
 
 
-def crc32_of(file: Path, offset: int = 0, length: int | None = None) -> int:
-    """crc32 of ``length`` bytes of ``file`` from ``offset`` (to the end if None)."""
-    crc = 0
+def crc32_of(file: Path) -> int:
+    """crc32 of the whole of ``file``."""
     with open(file, "rb") as f:
-        f.seek(offset)
-        left = length
-        while left is None or left > 0:
-            chunk = f.read(_CHUNK if left is None else min(_CHUNK, left))
-            if not chunk:
-                break
-            crc = zlib.crc32(chunk, crc)
-            left = None if left is None else left - len(chunk)
+        return _crc32(f, os.fstat(f.fileno()).st_size)
+
+
+def _crc32(f: IO[bytes], length: int) -> int:
+    """crc32 of the next ``length`` bytes of ``f``, read a chunk at a time."""
+    crc = 0
+    while length > 0:
+        chunk = f.read(min(_CHUNK, length))
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        length -= len(chunk)
     return crc
 
 
 def describe_files(path: Path, metadata: Metadata, names: list[str]) -> dict[str, dict[str, Any]]:
     """Manifest entries of the data files ``names`` (one rank's share), read back from disk."""
-    items: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
+    ranges: dict[str, set[tuple[int, int]]] = {name: set() for name in names}
     for info in metadata.storage_data.values():
-        if info.relative_path in items:
-            items[info.relative_path].append((info.offset, info.length))
-    return {
-        name: {
-            "size": (path / name).stat().st_size,
-            "items": [
-                [offset, length, crc32_of(path / name, offset, length)]
-                for offset, length in sorted(set(ranges))
-            ],
-        }
-        for name, ranges in items.items()
-    }
+        if info.relative_path in ranges:
+            ranges[info.relative_path].add((info.offset, info.length))
+    described = {}
+    for name in names:
+        with open(path / name, "rb") as f:
+            items = []
+            for offset, length in sorted(ranges[name]):  # in file order: reads go forward
+                f.seek(offset)
+                items.append([offset, length, _crc32(f, length)])
+            described[name] = {"size": os.fstat(f.fileno()).st_size, "items": items}
+    return described
 
 
 # ---- locks ---------------------------------------------------------------------------------------
