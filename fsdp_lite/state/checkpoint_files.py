@@ -82,11 +82,11 @@ class CheckpointError(RuntimeError):
     it is loaded into; or a save that could not finish."""
 
 
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # Everything DCP pickles into .metadata (torch 2.4 to 2.13), by module. Each is a dataclass, an
 # enum or a value: calling one with any arguments builds data and runs nothing else.
 METADATA_GLOBALS: dict[str, set[str]] = {
-    _DCP_METADATA: {
+    _DCP_METADATA_MODULE: {
         "Metadata",
         "MetadataIndex",
         "StorageMeta",
@@ -161,6 +161,8 @@ class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
 
+    # torch's hook for one item's bytes (read_data calls it per item); should a torch release drop
+    # it, test_checkpoint_safety's flipped bytes would load, and fail that test.
     def _slice_file(self, file: IO[bytes], sinfo: Any) -> IO[bytes]:
         if self.manifest is None:
             return super()._slice_file(file, sinfo)
