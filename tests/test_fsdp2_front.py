@@ -244,9 +244,7 @@ def _check_contracts(rank, world_size):
         m = _sharded(fsdp_lite, mp_policy=policy, offload_policy=torch_fsdp.OffloadPolicy())
         runs[name] = _train(m, rank, world_size, steps=1)
     _assert_same(runs["torch's"], runs["fsdp_lite's"], "torch's MixedPrecisionPolicy")
-    with pytest.raises(
-        TypeError, match="mp_policy must be fsdp_lite.MixedPrecisionPolicy"
-    ):
+    with pytest.raises(TypeError, match="mp_policy must be fsdp_lite.MixedPrecisionPolicy"):
         fsdp_lite.fully_shard(build_model("mlp"), mp_policy=BF16)
     with pytest.raises(NotImplementedError, match="set_custom_all_gather"):
         model.set_custom_all_gather(None)
