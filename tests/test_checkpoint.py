@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ import torch.nn as nn
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite import checkpoint
 from fsdp_lite.checkpoint import CheckpointError
+from fsdp_lite.state.checkpoint_files import MANIFEST
 from tests.parity import POLICIES, assert_close, batch, build_model, loss_fn
 from tests.ranks import RankFailure, run_ranks
 
@@ -182,9 +184,11 @@ def killed_save(tmp_path_factory):
 def test_a_killed_save_leaves_the_previous_checkpoint_in_place(killed_save):
     tmp, failure = killed_save
     assert "rank 1 of 2 exited without reporting a result: killed by signal SIGKILL" in failure
-    assert (tmp / "ckpt" / ".metadata").exists(), "the previous checkpoint is gone"
-    partial = tmp / ".ckpt.partial"
-    assert partial.is_dir() and not (partial / ".metadata").exists(), sorted(tmp.iterdir())
+    manifest = json.loads((tmp / "ckpt" / MANIFEST).read_text())
+    assert manifest["generation"] == 1, "the manifest must still name the previous checkpoint"
+    assert all(name.startswith("fsdp_lite-000001") for name in manifest["files"]), manifest
+    beside = [p.name for p in tmp.iterdir() if p.name.startswith(".ckpt")]
+    assert not beside, f"a save writes only inside its directory: {beside}"
 
 
 # ---- rank 0's rename fails (world size 2) -------------------------------------------------------
@@ -200,33 +204,34 @@ def _failed_rename_rank(rank: int, world_size: int, tmp: str) -> tuple[str, floa
     checkpoint.save(model, optim, f"{tmp}/ckpt")
     expected = copy.deepcopy(_full_state(model, optim))  # "step" is the optimizer's own tensor
     _step(model, optim, 1, rank, world_size)
-    rename = Path.rename
+    replace = os.replace
 
-    def rename_fails_into_place(self, target):
-        if Path(target).name == "ckpt":  # .ckpt.partial -> ckpt: the last step of a save
+    def manifest_fails_into_place(source, target):
+        if Path(target).name == MANIFEST:  # the commit of a save
             raise OSError(28, "No space left on device")
-        return rename(self, target)
+        return replace(source, target)
 
-    patch = mock.patch.object(Path, "rename", rename_fails_into_place) if rank == 0 else None
+    patch = mock.patch.object(os, "replace", manifest_fails_into_place) if rank == 0 else None
     start = time.monotonic()
     with patch or contextlib.nullcontext(), pytest.raises(CheckpointError) as error:
         checkpoint.save(model, optim, f"{tmp}/ckpt")
     seconds = time.monotonic() - start
     dist.barrier()
-    # The previous checkpoint was moved aside before the failed rename; load falls back to it.
+    # The manifest still names the previous checkpoint, and the failed save's files are gone.
+    assert not [p for p in Path(tmp, "ckpt").iterdir() if p.name.startswith("fsdp_lite-000002")]
     fresh, fresh_optim = _lm()
     checkpoint.load(fresh, fresh_optim, f"{tmp}/ckpt")
     _assert_same_state(_full_state(fresh, fresh_optim), expected, "after the failed rename")
     return str(error.value), seconds, isinstance(error.value.__cause__, OSError)
 
 
-def test_a_failed_rename_on_rank0_raises_the_same_error_on_every_rank(tmp_path):
+def test_a_failed_commit_on_rank0_raises_the_same_error_on_every_rank(tmp_path):
     # A 20 s process-group timeout: a rank left waiting in a barrier would fail with gloo's
     # timeout (or run_ranks' RankTimeout) instead of returning the CheckpointError.
     results = run_ranks(_failed_rename_rank, 2, tmp_path, args=(str(tmp_path),), timeout=20)
     (message0, seconds0, chained0), (message1, seconds1, chained1) = results
     assert message0 == message1, results
-    assert "rank 0 could not move the new checkpoint" in message0, message0
+    assert "rank 0 could not write the manifest of" in message0, message0
     assert "No space left on device" in message0, message0
     assert chained0 and not chained1, "rank 0 chains the OSError itself"
     print(f"save raised after {seconds0:.2f} s on rank 0, {seconds1:.2f} s on rank 1")
@@ -239,7 +244,7 @@ def _check_resume_from_4(rank, world_size, tmp, saved_at_4, killed):
     """The world-size-4 checkpoint loads exactly and training goes on as if never stopped."""
     model, optim = _lm()
     checkpoint.load(model, optim, f"{saved_at_4}/ckpt")
-    want = torch.load(f"{saved_at_4}/expected.pt", weights_only=False)
+    want = torch.load(f"{saved_at_4}/expected.pt", weights_only=True)
     _assert_same_state(_full_state(model, optim), want, f"loaded at {world_size} ranks")
     return _resume_losses(model, optim, rank, world_size)
 
@@ -247,27 +252,27 @@ def _check_resume_from_4(rank, world_size, tmp, saved_at_4, killed):
 def _check_load_after_killed_save(rank, world_size, tmp, saved_at_4, killed):
     model, optim = _lm()
     checkpoint.load(model, optim, f"{killed}/ckpt")
-    want = torch.load(f"{killed}/expected.pt", weights_only=False)
+    want = torch.load(f"{killed}/expected.pt", weights_only=True)
     _assert_same_state(_full_state(model, optim), want, "the checkpoint before the killed save")
-    # Saving again over the same path clears the dead save's leftovers.
-    work = Path(tmp) / "again"
+    # Saving again into the same path clears what the dead save left (its generation's files).
+    work = Path(tmp) / "again" / "ckpt"
     if rank == 0:
-        shutil.copytree(f"{killed}/ckpt", work / "ckpt")
-        shutil.copytree(f"{killed}/.ckpt.partial", work / ".ckpt.partial")
+        shutil.copytree(f"{killed}/ckpt", work)
+        (work / "fsdp_lite-000002__1_0.distcp").write_bytes(b"\0" * 64)  # whatever it left
     dist.barrier()
     _step(model, optim, 5, rank, world_size)
-    checkpoint.save(model, optim, work / "ckpt")
-    assert sorted(p.name for p in work.iterdir()) == ["ckpt"], sorted(work.iterdir())
+    checkpoint.save(model, optim, work)
+    assert sorted(p.name for p in work.iterdir()) == sorted(
+        [".fsdp_lite.lock", ".fsdp_lite.readers", ".metadata", MANIFEST]
+        + [
+            "fsdp_lite-000003.metadata",
+            "fsdp_lite-000003__0_0.distcp",
+            "fsdp_lite-000003__1_0.distcp",
+        ]
+    ), sorted(work.iterdir())
     fresh, fresh_optim = _lm()
-    checkpoint.load(fresh, fresh_optim, work / "ckpt")
+    checkpoint.load(fresh, fresh_optim, work)
     _assert_same_state(_full_state(fresh, fresh_optim), _full_state(model, optim), "saved again")
-    # Killed between its two renames: no checkpoint at the path, a complete one beside it.
-    if rank == 0:
-        (work / "ckpt").rename(work / ".ckpt.old")
-    dist.barrier()
-    fresh, fresh_optim = _lm()
-    checkpoint.load(fresh, fresh_optim, work / "ckpt")
-    _assert_same_state(_full_state(fresh, fresh_optim), _full_state(model, optim), ".old")
 
 
 def _expect_error(path, match: list[str], model=None) -> None:
@@ -282,22 +287,35 @@ def _check_truncated_or_mismatched_checkpoint_names_the_keys(
     rank, world_size, tmp, saved_at_4, killed
 ):
     source = Path(saved_at_4) / "ckpt"
-    broken = {name: Path(tmp) / name for name in ("no_file", "no_metadata", "short_file")}
+    names = ("no_file", "no_metadata", "no_manifest_no_metadata", "short_file")
+    broken = {name: Path(tmp) / name for name in names}
     if rank == 0:
         for path in broken.values():
             shutil.copytree(source, path)
-        (broken["no_file"] / "__3_0.distcp").unlink()
-        (broken["no_metadata"] / ".metadata").unlink()
-        short = broken["short_file"] / "__1_0.distcp"
+        (broken["no_file"] / "fsdp_lite-000001__3_0.distcp").unlink()
+        (broken["no_metadata"] / "fsdp_lite-000001.metadata").unlink()
+        (broken["no_manifest_no_metadata"] / MANIFEST).unlink()
+        (broken["no_manifest_no_metadata"] / ".metadata").unlink()
+        short = broken["short_file"] / "fsdp_lite-000001__1_0.distcp"
         os.truncate(short, short.stat().st_size // 2)
     dist.barrier()
     # rank 3's file holds its rows of every sharded tensor; name some of them
     _expect_error(
         broken["no_file"],
-        ["is incomplete: data file __3_0.distcp is missing", "model.blocks.0.fc.weight"],
+        [
+            "is incomplete: data file fsdp_lite-000001__3_0.distcp is missing",
+            "model.blocks.0.fc.weight",
+        ],
     )
-    _expect_error(broken["no_metadata"], ["is incomplete: it has no .metadata file"])
-    _expect_error(broken["short_file"], ["data file __1_0.distcp is truncated"])
+    _expect_error(
+        broken["no_metadata"],
+        ["is incomplete: its metadata file fsdp_lite-000001.metadata is missing"],
+    )
+    _expect_error(
+        broken["no_manifest_no_metadata"],
+        ["is incomplete: it has neither fsdp_lite_manifest.json nor .metadata"],
+    )
+    _expect_error(broken["short_file"], ["data file fsdp_lite-000001__1_0.distcp is truncated"])
     _expect_error(Path(tmp) / "nowhere", ["no checkpoint at"])
     # another model: a third block, and a wider embedding
     from conformance.models import GPTConfig, TinyLM
@@ -435,7 +453,7 @@ def test_checkpoint_saved_at_4_ranks_loads_into_a_plain_module(saved_at_4):
     model = build_model("lm")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     checkpoint.load(model, optim, tmp / "ckpt")
-    want = torch.load(tmp / "expected.pt", weights_only=False)
+    want = torch.load(tmp / "expected.pt", weights_only=True)
     got = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
     _assert_same_state(got, want, "plain module")
     losses = _resume_losses(model, optim, rank=0, world_size=1)
@@ -449,8 +467,8 @@ def test_checkpoint_converts_offline_to_one_torch_save_file(saved_at_4):
 
     tmp, _, _ = saved_at_4
     dcp_to_torch_save(tmp / "ckpt", tmp / "converted.pt")
-    converted = torch.load(tmp / "converted.pt", weights_only=False)
-    want = torch.load(tmp / "expected.pt", weights_only=False)
+    converted = torch.load(tmp / "converted.pt", weights_only=True)
+    want = torch.load(tmp / "expected.pt", weights_only=True)
     for key, value in want["model"].items():
         assert_close(converted["model"][key], value, what=f"converted {key}", **EXACT)
     exp_avg = converted["optim"]["state"]["tok.weight"]["exp_avg"]

@@ -3,12 +3,15 @@
 Parity is bitwise against in-memory CPU offload with the same strategy (the arithmetic is the
 same; only where the bytes live differs). Residency is read from /proc/self/smaps: the pages of
 the offload files must be unmapped between uses. Clean-up is checked in separate processes that
-exit normally or die.
+exit normally or die, or live on with a pid this namespace does not have (another container); a
+full disk with RLIMIT_FSIZE on one rank, and with a small tmpfs where the test may mount one.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -160,9 +163,10 @@ def _bad_input_rank(rank: int, world_size: int, base: str) -> None:
     assert os.listdir(base) == ["file"], "a rejected config leaves no directory"
 
 
-def test_bad_offload_dir_is_rejected_before_any_collective(tmp_path):
-    # One rank: an error that came after a collective would still be raised, so also check that
-    # nothing was created; the checks run in _make_config, which runs no collective.
+def test_bad_offload_dir_is_rejected_before_the_model_is_compared(tmp_path):
+    # One rank: check that nothing was created. The argument checks run in _make_config, which
+    # runs no collective; the directory checks in the one all-gather that comes before the model
+    # comparison, so that a directory missing on one rank fails every rank (the test below).
     base = tmp_path / "offload"
     base.mkdir()
     run_ranks(_bad_input_rank, 1, tmp_path, timeout=60, args=(str(base),))
@@ -205,10 +209,149 @@ def test_files_are_removed_at_exit_and_a_crashed_runs_files_are_never_read(tmp_p
     base.mkdir()
     crashed = _run_alone(base, tmp_path, crash=True)
     assert crashed.returncode == 1, crashed.stderr
-    (stale,) = base.iterdir()
-    assert any(stale.iterdir()), "the crashed run left its files"
+    stale, lock = sorted(base.iterdir())
+    assert lock.name == f"{stale.name}.lock" and any(stale.iterdir()), "the crashed run's files"
     finished = _run_alone(base, tmp_path, crash=False)
     assert finished.returncode == 0, finished.stderr
     # The second run made its own directory (never opening the stale files), removed the
-    # stale one because its pid is dead, and removed its own at exit.
+    # stale one because its lock was free (its process is gone), and removed its own at exit.
     assert list(base.iterdir()) == []
+
+
+# ---- two jobs on one disk; a full disk (issue 24) ------------------------------------------------
+
+
+def hold_a_store(base: str, rendezvous: str, pid: str) -> None:
+    """A job in another PID namespace: its directory's name carries a pid this namespace lacks.
+    It makes its store, says so, and keeps it until its stdin closes."""
+    os.getpid = lambda: int(pid)  # what os.getpid() returns inside another PID namespace
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    model = FSDP(build_model("mlp"), cpu_offload=CPUOffload(offload_params=True, offload_dir=base))
+    print(model._config.disk.directory, flush=True)
+    sys.stdin.read()
+
+
+def _unused_pid() -> int:
+    """A pid no process of this namespace has: that of a child already reaped."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)  # fmt: skip
+    pid = int(child.stdout)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    return pid
+
+
+def test_a_live_jobs_files_in_another_pid_namespace_are_kept(tmp_path):
+    base = tmp_path / "offload"
+    base.mkdir()
+    pid = _unused_pid()
+    code = (
+        "import sys; from tests.test_disk_offload import hold_a_store; "
+        "hold_a_store(sys.argv[1], sys.argv[2], sys.argv[3])"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", code, str(base), str(tmp_path / "rendezvous-other"), str(pid)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        directory = Path(other.stdout.readline().strip())
+        assert directory.is_dir() and f"pid{pid}-" in directory.name, other.stderr.read()
+        files = sorted(p.name for p in directory.iterdir())
+        assert files, "the other job's shards are in files"
+        # This job starts on the same disk and host name: the other's pid looks dead from here
+        # (os.kill(pid, 0) raises), which is what made the old clean-up delete its files.
+        finished = _run_alone(base, tmp_path, crash=False)
+        assert finished.returncode == 0, finished.stderr
+        assert sorted(p.name for p in directory.iterdir()) == files, "a live job's files went"
+    finally:
+        other.communicate(timeout=60)  # closes its stdin: it ends normally
+    assert other.returncode == 0, other.stderr
+    assert list(base.iterdir()) == [], "each job removed its own directory and lock at exit"
+
+
+def _full_disk_rank(rank: int, world_size: int, bases: list[str], limits: list[int]) -> str:
+    """Wrap with disk offload into ``bases[rank]``, writing files of at most ``limits[rank]``
+    bytes (0: no limit)."""
+    import resource
+    import signal
+    import time
+
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limits[rank]:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits[rank], before[1]))
+    start = time.monotonic()
+    try:
+        FSDP(
+            build_model("lm"),
+            auto_wrap_policy=POLICIES["lm"],
+            cpu_offload=CPUOffload(offload_params=True, offload_dir=bases[rank]),
+        )
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        text = f"{type(e).__name__}: {e}"
+    else:
+        text = "no error"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
+    assert time.monotonic() - start < 10, "a rank waited for the rank that failed"
+    gc.collect()  # the half-built model's store removes its directory
+    return text
+
+
+def test_a_full_disk_while_wrapping_is_named_and_fails_every_rank(tmp_path):
+    base = tmp_path / "offload"
+    base.mkdir()
+    # Only rank 1's disk is full: before, rank 0 went on into the first all-gather and waited
+    # there until the process group's timeout (20 s here: run_ranks' timeout too).
+    texts = run_ranks(_full_disk_rank, 2, tmp_path, args=([str(base)] * 2, [0, 1024]), timeout=20)
+    assert texts[1].startswith("OSError: [Errno 27] disk offload could not make "), texts[1]
+    for words in (f" bytes) in {base}/fsdp_lite-", "File too large", "at most 1024 bytes"):
+        assert words in texts[1], texts[1]
+    assert texts[0] == f"RuntimeError: wrapping failed on rank 1: {texts[1]}", texts[0]
+    # An offload directory that rank 1 does not have (a per-node disk): the same.
+    missing = tmp_path / "missing"
+    texts = run_ranks(
+        _full_disk_rank, 2, tmp_path, args=([str(base), str(missing)], [0, 0]), timeout=20
+    )
+    words = (
+        f"ValueError: CPUOffload.offload_dir {str(missing)!r} does not exist or is not a directory"
+    )
+    assert texts == [f"RuntimeError: wrapping failed on rank 1: {words}", words], texts
+    assert list(base.iterdir()) == [], "every directory made before the failure is gone"
+
+
+TMPFS_BYTES = 16 * 1024
+
+
+def test_a_real_enospc_names_the_file_and_the_bytes(tmp_path):
+    """A 16 KiB tmpfs in a mount namespace of its own (root only; skipped elsewhere)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    code = (
+        "import sys; from tests.test_disk_offload import train_alone; "
+        "train_alone(sys.argv[1], sys.argv[2], False)"
+    )
+    script = (
+        f"mount -t tmpfs -o size={TMPFS_BYTES} tmpfs {mnt} && "
+        f"exec {sys.executable} -c '{code}' {mnt} {tmp_path / 'rendezvous-enospc'}"
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if "mount:" in done.stderr or "unshare:" in done.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()[-200:]}")
+    last = done.stderr.strip().splitlines()[-1].removeprefix("[rank0]: ")
+    assert last.startswith("OSError: [Errno 28] disk offload could not make "), done.stderr[-2000:]
+    assert f"bytes) in {mnt}/fsdp_lite-" in last and "No space left on device" in last, last
+    assert "bytes are free there" in last, last

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -193,3 +194,166 @@ def _rank_dependent_rank(rank: int, world_size: int) -> None:
 
 def test_parameter_used_on_some_ranks_only_gets_the_average_on_all(tmp_path):
     run_ranks(_rank_dependent_rank, 2, tmp_path, timeout=60)
+
+
+# ---- inputs refused at wrap time (issue 24) -----------------------------------------------------
+
+
+class TiedSiblings(nn.Module):
+    """An embedding and an output head sharing one weight, each a sibling of the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(idx)))
+
+
+class TwoDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x.double()).float()
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test compares type and text
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _on_rank0_alone(rank: int, call) -> str | None:
+    """``call`` on rank 0 while rank 1 waits in a barrier: a refusal that came after a collective
+    would pair with that barrier or wait for rank 1, and never return its error."""
+    seen = _error(call) if rank == 0 else None
+    dist.barrier()
+    return seen
+
+
+def _fsdp2_siblings(api) -> tuple[nn.Module, object]:
+    model = TiedSiblings()
+    api.fully_shard(model.emb)
+    api.fully_shard(model.head)
+    return model, lambda: api.fully_shard(model)
+
+
+def _fsdp1_siblings_by_hand() -> tuple[nn.Module, object]:
+    model = TiedSiblings()
+    model.emb = FSDP(model.emb)
+    model.head = FSDP(model.head)
+    return model, lambda: FSDP(model)
+
+
+def _refusals_rank(rank: int, world_size: int) -> dict[str, str | None]:
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+    import fsdp_lite
+    from fsdp_lite.wrap import ModuleWrapPolicy
+
+    seen: dict[str, str | None] = {}
+    idx = torch.tensor([1, 4, 7])
+    # A parameter shared by sibling units: fsdp_lite refuses the common parent's wrap; torch FSDP2
+    # refuses at its first forward, torch FSDP1 accepts it.
+    _, wrap_root = _fsdp2_siblings(fsdp_lite)
+    seen["fsdp2_siblings"] = _on_rank0_alone(rank, wrap_root)
+    model, wrap_root = _fsdp2_siblings(torch_fsdp)
+    wrap_root()
+    seen["torch_fsdp2_siblings"] = _error(lambda: model(idx))
+    _, wrap_root = _fsdp1_siblings_by_hand()
+    seen["fsdp1_siblings_by_hand"] = _on_rank0_alone(rank, wrap_root)
+    siblings = {nn.Embedding, nn.Linear}
+    seen["fsdp1_siblings_auto_wrap"] = _error(
+        lambda: FSDP(TiedSiblings(), auto_wrap_policy=ModuleWrapPolicy(siblings))
+    )
+    cpu = torch.device("cpu")
+    policy = TorchModuleWrapPolicy(siblings)
+    seen["torch_fsdp1_siblings"] = _error(
+        lambda: TorchFSDP(TiedSiblings(), auto_wrap_policy=policy, device_id=cpu)(idx)
+    )
+    # Two dtypes in one unit: torch FSDP1 refuses at wrap, torch FSDP2 at its first forward.
+    seen["fsdp2_two_dtypes"] = _on_rank0_alone(rank, lambda: fsdp_lite.fully_shard(TwoDtypes()))
+    model = torch_fsdp.fully_shard(TwoDtypes())
+    seen["torch_fsdp2_two_dtypes"] = _error(lambda: model(torch.randn(2, 4)))
+    seen["fsdp1_two_dtypes"] = _on_rank0_alone(rank, lambda: FSDP(TwoDtypes()))
+    seen["torch_fsdp1_two_dtypes"] = _error(lambda: TorchFSDP(TwoDtypes(), device_id=cpu))
+    # reshard_after_forward of the wrong type: both refuse at once.
+    for api in (fsdp_lite, torch_fsdp):
+        name = "fsdp2" if api is fsdp_lite else "torch_fsdp2"
+        call = lambda: api.fully_shard(nn.Linear(4, 4), reshard_after_forward="yes")  # noqa: B023
+        seen[f"{name}_reshard_after_forward"] = _on_rank0_alone(rank, call)
+    # What the message tells the user to do trains exactly like one process.
+    model = TiedSiblings()
+    reference = TiedSiblings()
+    fsdp_lite.fully_shard([model.emb, model.head])
+    fsdp_lite.fully_shard(model)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, reference)]
+    for step in range(3):
+        batches = [torch.randint(0, 11, (5,), generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world_size)]  # fmt: skip
+        loss = nn.functional.cross_entropy(model(batches[rank]), batches[rank])
+        loss.backward()
+        whole = torch.cat(batches)
+        nn.functional.cross_entropy(reference(whole), whole).backward()
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        want = shard_of(reference.emb.weight.detach(), rank, world_size)
+        # One process averages over the global batch at once, the ranks each over theirs: the
+        # sums differ in order, so the last bits may too.
+        assert_close(local(model.emb.weight).detach(), want, what=f"step {step}", rtol=1e-6, atol=1e-7)  # fmt: skip
+    return seen
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    return run_ranks(_refusals_rank, 2, tmp_path_factory.mktemp("refusals"), timeout=120)
+
+
+def test_a_parameter_shared_by_sibling_units_is_refused_before_any_collective(refusals):
+    rank0 = refusals[0]
+    torch_words = rank0["torch_fsdp2_siblings"]
+    assert torch_words.startswith("ValueError: Parameter 'head.weight' is shared"), torch_words
+    assert rank0["fsdp2_siblings"] == torch_words.replace(
+        "FSDP group.", "FSDP group ('emb.weight').", 1
+    ), rank0["fsdp2_siblings"]
+    fsdp1 = (
+        "ValueError: parameter 'head.weight' is shared with 'emb.weight' of another unit; put "
+        "the modules sharing it in one unit (do not wrap them apart)"
+    )
+    assert rank0["fsdp1_siblings_by_hand"] == fsdp1
+    for seen in refusals:  # auto-wrap: after the model comparison, on every rank alike
+        assert seen["fsdp1_siblings_auto_wrap"] == fsdp1
+    assert rank0["torch_fsdp1_siblings"] == "no error", "torch FSDP1 accepts it (two copies)"
+
+
+def test_two_dtypes_in_one_unit_are_refused_at_wrap_time_in_torchs_words(refusals):
+    rank0 = refusals[0]
+    assert rank0["torch_fsdp1_two_dtypes"] == (
+        "ValueError: Must flatten tensors with uniform dtype but got torch.float32 and "
+        "torch.float64"
+    )
+    assert rank0["fsdp1_two_dtypes"].startswith(rank0["torch_fsdp1_two_dtypes"] + ": 'a.weight'")
+    words = "FSDP expects uniform original parameter dtype but got {"
+    assert rank0["torch_fsdp2_two_dtypes"].startswith(f"AssertionError: {words}")
+    assert rank0["fsdp2_two_dtypes"].startswith(
+        f"ValueError: {words}torch.float32, torch.float64}}"
+    )
+
+
+def test_reshard_after_forward_of_another_type_is_refused_as_torch_does(refusals):
+    rank0 = refusals[0]
+    assert rank0["fsdp2_reshard_after_forward"] == rank0["torch_fsdp2_reshard_after_forward"]
+    assert rank0["fsdp2_reshard_after_forward"] == (
+        "ValueError: reshard_after_forward should be a bool or an int representing the group "
+        "size to reshard to, not yes"
+    )

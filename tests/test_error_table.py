@@ -145,6 +145,28 @@ def _save_under_a_file(c: Ctx) -> None:
     checkpoint.save(model, torch.optim.SGD(model.parameters(), lr=0.1), c.tmp / "a_file" / "ckpt")
 
 
+class _TiedSiblings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class _TwoDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4).double()
+
+
+def _fully_shard_siblings_sharing_a_param(c: Ctx) -> None:
+    model = _TiedSiblings()
+    fully_shard(model.emb)
+    fully_shard(model.head)
+    fully_shard(model)
+
+
 def _fully_shard_twice(c: Ctx) -> None:
     linear = nn.Linear(4, 4)
     fully_shard(linear)
@@ -197,13 +219,155 @@ def _optimizer_state_of_another_shape(c: Ctx) -> None:
 
 
 def _unreadable_metadata(c: Ctx) -> None:
+    model, optim, path = _dcp_checkpoint(c)  # torch's: no manifest, so .metadata is read
+    if c.rank == 0:
+        (path / ".metadata").write_bytes(b"not a pickle")
+    dist.barrier()
+    checkpoint.load(model, optim, path)
+
+
+class _Pwned:
+    """Unpickling it would run a shell command (it never does here: the tests check the text)."""
+
+    def __reduce__(self):
+        return os.system, ("echo pwned",)
+
+
+def _dcp_checkpoint(c: Ctx, change=None):
+    """A model, its optimizer and a DCP checkpoint of them (``change(state)`` first), by torch."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_lite.state.checkpoint import checkpoint_state
+
     model = c.units()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    checkpoint.save(model, optim, c.tmp / "ckpt")
+    state = checkpoint_state(model, optim)
+    if change is not None:
+        change(state)
+    dcp.save(state, checkpoint_id=c.tmp / "ckpt")
+    return model, optim, c.tmp / "ckpt"
+
+
+def _load_with_a_new_metadata(c: Ctx, change) -> None:
+    """Rank 0 rewrites the checkpoint's .metadata (``change(metadata)`` returns what to pickle)."""
+    import pickle
+
+    from fsdp_lite.state.checkpoint_files import read_metadata
+
+    model, optim, path = _dcp_checkpoint(c)
     if c.rank == 0:
-        (c.tmp / "ckpt" / ".metadata").write_bytes(b"not a pickle")
+        metadata = read_metadata(path / ".metadata")
+        (path / ".metadata").write_bytes(pickle.dumps(change(metadata)))
     dist.barrier()
-    checkpoint.load(model, optim, c.tmp / "ckpt")
+    checkpoint.load(model, optim, path)
+
+
+def _outside(metadata):
+    info = next(iter(metadata.storage_data.values()))
+    info.relative_path = "../elsewhere.distcp"
+    return metadata
+
+
+def _crafted_param_group(c: Ctx) -> None:
+    def poison(state):
+        state["optim"]["param_groups"][0]["lr"] = _Pwned()
+
+    model, optim, path = _dcp_checkpoint(c, poison)
+    checkpoint.load(model, optim, path)
+
+
+def _saved(c: Ctx, path: str = "ckpt"):
+    model = c.units()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpoint.save(model, optim, c.tmp / path)
+    return model, optim, c.tmp / path
+
+
+def _on_rank0_then_load(c: Ctx, change) -> None:
+    """Save, let rank 0 ``change(path)`` the checkpoint, then load it on every rank."""
+    model, optim, path = _saved(c)
+    if c.rank == 0:
+        change(path)
+    dist.barrier()
+    checkpoint.load(model, optim, path)
+
+
+def _flip(file: Path, offset: int, count: int = 16) -> None:
+    data = bytearray(file.read_bytes())
+    for i in range(offset, offset + count):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _flip_a_shard(path: Path) -> None:
+    """16 bytes in the middle of the largest item of rank 0's data file (same size)."""
+    import json
+
+    manifest = json.loads((path / "fsdp_lite_manifest.json").read_text())
+    name = "fsdp_lite-000001__0_0.distcp"
+    offset, length, _ = max(manifest["files"][name]["items"], key=lambda item: item[1])
+    _flip(path / name, offset + length // 2)
+
+
+def _edit_manifest(path: Path) -> None:
+    import json
+
+    manifest = json.loads((path / "fsdp_lite_manifest.json").read_text())
+    manifest["files"]["fsdp_lite-000001__0_0.distcp"]["size"] += 1
+    (path / "fsdp_lite_manifest.json").write_text(json.dumps(manifest))
+
+
+def _save_onto_a_file(c: Ctx) -> None:
+    if c.rank == 0:
+        (c.tmp / "a_file").write_text("keep me")
+    dist.barrier()
+    model = c.units()
+    checkpoint.save(model, torch.optim.SGD(model.parameters(), lr=0.1), c.tmp / "a_file")
+
+
+def _save_over_a_torch_checkpoint(c: Ctx) -> None:
+    model, optim, path = _dcp_checkpoint(c)
+    checkpoint.save(model, optim, path)
+
+
+def _save_while_another_job_saves(c: Ctx) -> None:
+    import fcntl
+
+    model, optim, path = _saved(c)
+    with open(path / ".fsdp_lite.lock", "r+") as other_job:  # another open file: another holder
+        if c.rank == 0:
+            fcntl.flock(other_job, fcntl.LOCK_EX)
+            other_job.truncate(0)
+            other_job.write("generation 2, saved by node7 pid 4242")
+            other_job.flush()
+        dist.barrier()
+        checkpoint.save(model, optim, path)
+
+
+def _load_on_one_rank_only(c: Ctx) -> None:
+    model, optim, path = _saved(c)
+    checkpoint.load(model, optim, path if c.rank == 0 else c.tmp / "elsewhere")
+
+
+def _save_where_ranks_see_other_directories(c: Ctx) -> None:
+    model = c.units()
+    checkpoint.save(model, None, c.tmp / f"view{c.rank}")  # what one path on two disks does
+
+
+def _load_before_the_first_save_ends(c: Ctx) -> None:
+    if c.rank == 0:  # what a first save has made when it starts writing
+        (c.tmp / "ckpt").mkdir()
+        (c.tmp / "ckpt" / ".fsdp_lite.lock").write_text("generation 1, saved by node7 pid 4242")
+    dist.barrier()
+    model = c.units()
+    checkpoint.load(model, None, c.tmp / "ckpt")
+
+
+def _load_two_generations(c: Ctx) -> None:
+    model, optim, _ = _saved(c, "a")
+    _saved(c, "b")
+    _saved(c, "b")
+    checkpoint.load(model, optim, c.tmp / ("a" if c.rank == 0 else "b"))
 
 
 def _hybrid_shard_over_nodes_of_3(c: Ctx) -> None:
@@ -261,6 +425,10 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     ),
     "hybrid_world_not_a_multiple": _hybrid_shard_over_nodes_of_3,
     "auto_wrap_over_wrapped_child": _auto_wrap_over_a_wrapped_child,
+    "two_dtypes_in_a_unit": lambda c: FSDP(_TwoDtypes()),
+    "siblings_share_a_param": lambda c: FSDP(
+        _TiedSiblings(), auto_wrap_policy=ModuleWrapPolicy({nn.Embedding, nn.Linear})
+    ),
     # disk offload
     "offload_dir_without_offload_params": lambda c: FSDP(
         c.mlp(), cpu_offload=CPUOffload(offload_params=False, offload_dir=c.tmp)
@@ -294,6 +462,14 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "shard_placement_uneven": lambda c: fully_shard(
         nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None
     ),
+    "reshard_after_forward_string": lambda c: fully_shard(
+        nn.Linear(4, 4), reshard_after_forward="yes"
+    ),
+    "set_reshard_after_forward_int": lambda c: fully_shard(
+        nn.Linear(4, 4)
+    ).set_reshard_after_forward(2),
+    "fully_shard_two_dtypes": lambda c: fully_shard(_TwoDtypes()),
+    "fully_shard_siblings_share_a_param": _fully_shard_siblings_sharing_a_param,
     "mesh_3d": lambda c: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 2, 1))),
     "prefetch_a_plain_module": _prefetch_a_plain_module,
     "torch_reads_a_state_attribute": _torch_reads_a_state_attribute,
@@ -356,6 +532,28 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     ),
     "save_under_a_file": _save_under_a_file,
     "unreadable_metadata": _unreadable_metadata,
+    "crafted_metadata": lambda c: _load_with_a_new_metadata(c, lambda m: _Pwned()),
+    "metadata_not_metadata": lambda c: _load_with_a_new_metadata(c, lambda m: [1, 2]),
+    "data_file_outside": lambda c: _load_with_a_new_metadata(c, _outside),
+    "crafted_param_group": _crafted_param_group,
+    "save_onto_a_file": _save_onto_a_file,
+    "save_over_a_torch_checkpoint": _save_over_a_torch_checkpoint,
+    "save_while_another_job_saves": _save_while_another_job_saves,
+    "save_where_ranks_see_other_directories": _save_where_ranks_see_other_directories,
+    "load_on_one_rank_only": _load_on_one_rank_only,
+    "flipped_bytes": lambda c: _on_rank0_then_load(c, _flip_a_shard),
+    "metadata_flipped": lambda c: _on_rank0_then_load(
+        c, lambda p: _flip(p / "fsdp_lite-000001.metadata", 100, 1)
+    ),
+    "metadata_missing": lambda c: _on_rank0_then_load(
+        c, lambda p: (p / "fsdp_lite-000001.metadata").unlink()
+    ),
+    "manifest_unreadable": lambda c: _on_rank0_then_load(
+        c, lambda p: (p / "fsdp_lite_manifest.json").write_text("{")
+    ),
+    "manifest_edited": lambda c: _on_rank0_then_load(c, _edit_manifest),
+    "ranks_read_other_generations": _load_two_generations,
+    "load_before_the_first_save_ends": _load_before_the_first_save_ends,
     # the planner
     "estimate_world_size_0": lambda c: estimate(1e6, world_size=0),
     "estimate_shard_size_not_dividing": lambda c: estimate(1e6, world_size=4, shard_size=3),
@@ -383,6 +581,11 @@ NOT_IN_THE_TABLE = {
     ("demo.py", "has shape"): "the demo's own check of its result, not user input",
     ("engine/disk.py", "cannot create"): "the OS refused a directory (full disk): its error",
     ("state/checkpoint.py", "loading checkpoint"): "DCP failed after fsdp_lite's checks passed",
+    (
+        "state/checkpoint.py",
+        "",
+    ): "another rank's error, or DCP's with the disk's facts, raised on every rank: the rows "
+    "[load_on_one_rank_only], [save_where_ranks_see_other_directories] and the full disk's",
     (
         "engine/param.py",
         "that needs a sharding mesh",

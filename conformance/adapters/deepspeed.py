@@ -348,7 +348,9 @@ class DeepSpeedAdapter(Adapter):
         if model.stage == 0:
             # No ZeRO files: the module's own state is the checkpoint's.
             path = os.path.join(model.checkpoint_dir, CHECKPOINT_TAG, "mp_rank_00_model_states.pt")
-            state_dict = torch.load(path, map_location="cpu", weights_only=False)["module"]
+            # weights_only: no load in conformance/ may run code from a file (issue 24); stage 0's
+            # file holds tensors and plain values only (fp32 and bf16 checked with 0.19.8).
+            state_dict = torch.load(path, map_location="cpu", weights_only=True)["module"]
             if model.input_dtype is not None:
                 # Under bf16 the module holds bf16 weights; the fp32 master is in BF16_Optimizer's
                 # files, which zero_to_fp32 cannot parse (it wants ZeRO's param_shapes): read the

@@ -24,15 +24,23 @@ result is bitwise the same; optimizers that combine parameters (LBFGS) must use 
 
 Note [Files a crash leaves behind]: each rank writes into a new directory named after the host, the
 pid and a random suffix, and only ever opens files it created there, so stale files are never read.
-The directory is removed by ``close(model)`` or at normal interpreter exit; on start a store also
-removes directories on this host whose pid is no longer running.
+Beside it, ``<directory>.lock`` is created first and held with ``flock`` for the store's life; the
+kernel drops that lock when the process ends, however it ends. The directory is removed by
+``close(model)`` or at normal interpreter exit; on start a store also removes the directories of
+this host name whose lock it can take at once, so their owner is gone. PID liveness is not used:
+``os.kill(pid, 0)`` cannot see a process in another PID namespace (a container sharing the disk
+and the host name), whose live files it would have deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import mmap
 import os
 import re
+import resource
 import shutil
 import socket
 import uuid
@@ -75,13 +83,25 @@ class _MappedFile:
         if nbytes == 0:  # mmap cannot map nothing; an empty shard has no pages to move anyway
             self.tensor = torch.empty(0, dtype=dtype)
             return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = None
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             # Reserve the blocks now: a full disk then fails here, not as SIGBUS on a page write.
             os.posix_fallocate(fd, 0, nbytes)
             self.mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        except OSError as e:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # the empty file this made
+            directory, name = os.path.split(path)
+            raise OSError(  # the same errno (ENOSPC ...), naming the file and the bytes
+                e.errno,
+                f"disk offload could not make {name} ({nbytes} bytes) in {directory}: "
+                f"{_why(e, directory)}",
+            ) from e
         finally:
-            os.close(fd)  # the mapping keeps the file open
+            if fd is not None:
+                os.close(fd)  # the mapping keeps the file open
         self.tensor = torch.frombuffer(self.mmap, dtype=dtype, count=numel)  # 1D, numel
 
     def release(self) -> None:
@@ -91,6 +111,18 @@ class _MappedFile:
     def prefetch(self) -> None:
         if self.mmap is not None:
             self.mmap.madvise(mmap.MADV_WILLNEED)
+
+
+def _why(e: OSError, directory: str) -> str:
+    """The OS's words, and what tells a full disk from a file size limit."""
+    why = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        with contextlib.suppress(OSError):
+            why += f"; {shutil.disk_usage(directory).free} bytes are free there"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if e.errno == errno.EFBIG and limit != resource.RLIM_INFINITY:
+        why += f"; this process may write files of at most {limit} bytes (ulimit -f)"
+    return why
 
 
 class ParamFiles:
@@ -152,8 +184,12 @@ class DiskStore:
         name = f"fsdp_lite-{host}-pid{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
         self.directory = os.path.join(base, name)
         try:
+            # The lock first: a directory is never seen without a held lock beside it.
+            self._lock = _take_lock(f"{self.directory}.lock", create=True)
             os.mkdir(self.directory, 0o700)
         except OSError as e:
+            if getattr(self, "_lock", None) is not None:
+                _remove(self.directory, [], self._lock)
             raise ValueError(f"CPUOffload.offload_dir {base!r}: cannot create {name}: {e}") from e
         self.params: list[ParamFiles] = []
         self.by_ptr: dict[int, ParamFiles] = {}  # data_ptr of a shard -> its files
@@ -168,7 +204,7 @@ class DiskStore:
                 lambda optim, args, kwargs: _call(me, "after_step", optim)
             ),
         ]
-        self._finalizer = weakref.finalize(self, _remove, self.directory, handles)
+        self._finalizer = weakref.finalize(self, _remove, self.directory, handles, self._lock)
 
     def new_param(self, fqn: str) -> ParamFiles:
         files = ParamFiles(self, fqn)
@@ -303,24 +339,54 @@ def _call(store_ref: weakref.ref, method: str, optim: torch.optim.Optimizer) -> 
         getattr(store, method)(optim)
 
 
-def _remove(directory: str, handles: list) -> None:
+def _remove(directory: str, handles: list, lock: int | None) -> None:
     for handle in handles:
         handle.remove()
     shutil.rmtree(directory, ignore_errors=True)
+    if lock is not None:  # removed while held: no other process can take it and find the files
+        with contextlib.suppress(OSError):
+            os.unlink(f"{directory}.lock")
+        os.close(lock)
+
+
+def _take_lock(path: str, create: bool) -> int | None:
+    """A descriptor of ``path`` holding its exclusive ``flock``, or None if another process holds
+    it (or, without ``create``, the file is gone). ``create`` makes a new file, locked before it
+    appears under its name, so that no clean-up can take the lock of a store being born."""
+    if create:
+        born = os.path.join(os.path.dirname(path), f".{uuid.uuid4().hex}.new")
+        fd = os.open(born, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(born, path)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(born)
+            raise
+        return fd
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        raise
+    return fd
 
 
 def _remove_stale_dirs(base: str, host: str) -> None:
-    """Directories of processes on this host that died without cleaning up (a crash, a kill)."""
+    """Directories of this host name whose lock is free: their process is gone (a crash, a
+    kill). See Note [Files a crash leaves behind]."""
     for name in os.listdir(base):
-        match = _DIR_RE.match(name)
-        if match is None or match["host"] != host:
-            continue
-        pid = int(match["pid"])
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-        except PermissionError:
-            pass  # alive, another user's
+        directory = name.removesuffix(".lock")
+        match = _DIR_RE.match(directory)
+        if directory == name or match is None or match["host"] != host:
+            continue  # each lock file names its directory; directories are reached through them
+        lock = _take_lock(os.path.join(base, name), create=False)
+        if lock is not None:
+            _remove(os.path.join(base, directory), [], lock)

@@ -188,7 +188,7 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
         replicate_group=replicate_group,
         cpu_offload=kw["cpu_offload"],
         storage_device=offload.storage_device(device, offload_params),
-        disk=_disk_store(kw["cpu_offload"], dist.get_rank()),
+        disk=None,  # made with the other ranks: open_disk_store
         param_init_fn=kw["param_init_fn"],
         sync_module_states=kw["sync_module_states"],
         device=device,
@@ -198,6 +198,42 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
         ignored_modules=frozenset(ignored_modules),
         precision=precision,
     )
+
+
+def open_disk_store(config: UnitConfig) -> UnitConfig:
+    """``config`` with this rank's files for ``CPUOffload(offload_dir=...)``: checked and made on
+    every rank, then one all-gather, so a rank whose directory is missing or whose disk refused
+    fails every rank before any other collective (see ``on_every_rank``)."""
+    if config.cpu_offload is None or config.cpu_offload.offload_dir is None:
+        return config
+    disk = _agreed(config, lambda: _disk_store(config.cpu_offload, dist.get_rank()))
+    return dataclasses.replace(config, disk=disk)
+
+
+def on_every_rank(config: UnitConfig, step: Callable[[], Any]) -> Any:
+    """``step()``; under disk offload, whose files a full disk can refuse on one rank only,
+    followed by one all-gather of whether it failed anywhere, so that no rank goes on into a
+    collective that a failed rank will never join."""
+    return step() if config.disk is None else _agreed(config, step)
+
+
+def _agreed(config: UnitConfig, step: Callable[[], Any]) -> Any:
+    """``step()`` here, then every rank learns whether it failed on any rank: the failed rank
+    raises its own error, the others a RuntimeError naming it. Shard group first, then across
+    replicas, each passing on what it heard, so every rank has heard of every failure."""
+    try:
+        result, error = step(), None
+    except Exception as e:  # noqa: BLE001 - raised below, after the other ranks heard of it
+        result, error = None, e
+    heard = None if error is None else f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
+    for group in _data_parallel_groups(config):
+        failures = [f for f in collectives.all_gather_objects(heard, group=group) if f]
+        heard = heard or (failures[0] if failures else None)
+    if error is not None:
+        raise error
+    if heard is not None:
+        raise RuntimeError(f"wrapping failed on {heard}")
+    return result
 
 
 def _disk_store(cpu_offload: CPUOffload | None, rank: int) -> DiskStore | None:
@@ -439,6 +475,60 @@ def check_tensor_parallel_params(module: nn.Module, config: UnitConfig, front: s
                 "not shard DTensors: use fully_shard(module, mesh=mesh['dp'])"
             )
         TensorParallel.check(param, name, config.mesh)
+
+
+def check_unit_params(module: nn.Module, config: UnitConfig, front: str) -> None:
+    """Raise, before the unit is built and before any collective of its own, for parameters one
+    unit cannot hold: two dtypes (its flat buffers have one), or a parameter that two units
+    nested in ``module`` both hold (each would train its own copy of it).
+
+    Nested units that share a parameter are siblings, each built before its parent: their
+    common parent is the first unit that can see both (see Note [A parameter in two units])."""
+    dtypes: dict[torch.dtype, str] = {}  # first parameter of each dtype
+    for name, param in params_to_shard(module, config):
+        dtypes.setdefault(param.dtype, name)
+    if len(dtypes) > 1:
+        (first, first_name), (other, other_name) = list(dtypes.items())[:2]
+        where = f"{first_name!r} is {first}, {other_name!r} is {other}"
+        if front == "fully_shard":  # torch FSDP2's words, at its lazy init
+            got = "{" + ", ".join(map(str, dtypes)) + "}"
+            raise ValueError(
+                f"FSDP expects uniform original parameter dtype but got {got}: {where}; give "
+                "the parameters of one fully_shard call one dtype (convert them first, or "
+                "shard the modules of the other dtype with a fully_shard call of their own)"
+            )
+        raise ValueError(  # torch FSDP1's words, at its wrap
+            f"Must flatten tensors with uniform dtype but got {first} and {other}: {where}; "
+            "the parameters of one unit need one dtype (convert them before wrapping, or make "
+            "the modules of the other dtype a unit of their own)"
+        )
+    # Note [A parameter in two units]: a unit holds only a weak reference to each orig_param,
+    # which is freed once the second sibling has replaced it by its own shard. But CPython hands
+    # out one weak reference per object (weakref.ref without a callback), so the two units hold
+    # the same reference object: that identity outlives the parameter.
+    paths = {id(m): name for name, m in module.named_modules()}
+    holders: dict[int, tuple[int, str]] = {}  # id of an orig_param_ref -> (unit, name)
+    seen_units: set[int] = set()
+    for m in module.modules():
+        if m is module or not owns_unit(m) or id(m._unit) in seen_units:
+            continue
+        seen_units.add(id(m._unit))  # a fully_shard([a, b]) unit has two owners
+        for p in m._unit.params:
+            holder, attr = p.locations[0]
+            name = clean_name(f"{paths[id(holder)]}.{attr}".lstrip("."))
+            first = holders.setdefault(id(p.orig_param_ref), (id(m._unit), name))
+            if first[0] == id(m._unit):
+                continue
+            if front == "fully_shard":  # torch FSDP2's words, at its lazy init
+                raise ValueError(
+                    f"Parameter {name!r} is shared with a parameter already managed by another "
+                    f"FSDP group ({first[1]!r}). For shared/tied parameters, use "
+                    "fully_shard([module_a, module_b]) to place them in the same FSDP group."
+                )
+            raise ValueError(
+                f"parameter {name!r} is shared with {first[1]!r} of another unit; put the "
+                "modules sharing it in one unit (do not wrap them apart)"
+            )
 
 
 def _check_same_model_across_ranks(module: nn.Module, config: UnitConfig) -> None:

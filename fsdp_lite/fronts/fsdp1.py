@@ -49,6 +49,9 @@ from fsdp_lite.fronts.construct import (
     _nested_config,
     _resolve_configs,
     check_tensor_parallel_params,
+    check_unit_params,
+    on_every_rank,
+    open_disk_store,
 )
 from fsdp_lite.names import WRAPPED, WRAPPED_PREFIX, clean_name
 
@@ -134,7 +137,12 @@ class FullyShardedModule(nn.Module):
             _config = _nesting.config_for(module, kwargs)
         self._config = _config
         self._fsdp_wrapped_module = module
-        self._unit = _build_unit(module, _config)
+        # Auto-wrapped units are known only now, after the model comparison across ranks.
+        check_unit_params(module, _config, "FullyShardedDataParallel")
+        if _nesting is None:  # disk offload: a full disk on one rank fails every rank here
+            self._unit = on_every_rank(_config, lambda: _build_unit(module, _config))
+        else:  # the root's on_every_rank around auto-wrap hears of a nested unit's failure
+            self._unit = _build_unit(module, _config)
         register_grad_hooks(self._unit, self._unit.params)
         for p in self._unit.params:
             p.point_modules_to(p.sharded_param)
@@ -147,7 +155,11 @@ class FullyShardedModule(nn.Module):
         config = _make_config(module, kwargs)
         _move_to_device(module, config)
         check_tensor_parallel_params(module, config, "FullyShardedDataParallel")
+        if kwargs["auto_wrap_policy"] is None:  # the unit is known: check it before any collective
+            check_unit_params(module, config, "FullyShardedDataParallel")
         # Collectives start here; everything above fails locally, before any rank can hang.
+        # The first, with disk offload: whether every rank could make its directory.
+        config = open_disk_store(config)
         _check_same_model_across_ranks(module, config)
         if config.sync_module_states and not _has_meta(list(module.modules())):
             _broadcast_module_states(module, config)  # meta modules: per unit, see _materialize
@@ -162,13 +174,16 @@ class FullyShardedModule(nn.Module):
         # mixed_precision=None for BatchNorm) replaces them; _Nesting tells overrides apart.
         root_kwargs = {**kwargs, "sharding_strategy": config.strategy}
         root_kwargs["_nesting"] = _Nesting(config, root_kwargs, module)
-        wrap.auto_wrap(
-            module,
-            policy,
-            FullyShardedModule,
-            set(config.ignored_modules),
-            set(config.ignored_params),
-            root_kwargs,
+        on_every_rank(
+            config,
+            lambda: wrap.auto_wrap(
+                module,
+                policy,
+                FullyShardedModule,
+                set(config.ignored_modules),
+                set(config.ignored_params),
+                root_kwargs,
+            ),
         )
         return config
 

@@ -41,6 +41,7 @@ from fsdp_lite.fronts.construct import (
     _check_same_model_across_ranks,
     _move_to_device,
     check_tensor_parallel_params,
+    check_unit_params,
     params_to_shard,
 )
 from fsdp_lite.fronts.interop import TorchFSDPModule, register_state
@@ -159,6 +160,7 @@ def fully_shard(
     offload_policy = as_ours(
         offload_policy, CPUOffloadPolicy if cpu else OffloadPolicy, "offload_policy"
     )
+    _check_reshard_after_forward(reshard_after_forward, allow_int=True)
     smaller_group = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         mesh = _config(tree, mesh, True, mp_policy, offload_policy, ignored_params).mesh
@@ -173,6 +175,7 @@ def fully_shard(
         raise NotImplementedError(  # torch's FSDP2 refuses it too
             "reshard_after_forward as an int with tensor-parallel (DTensor) parameters"
         )
+    check_unit_params(tree, config, "fully_shard")
     # A collective, after every argument was checked: different models fail here on every rank.
     _check_same_model_across_ranks(tree, config)
     unit = _build_unit(tree, config, shard_dims)
@@ -233,6 +236,17 @@ def _shard_dims(
         if dim > 0:
             dims[param] = dim
     return dims
+
+
+def _check_reshard_after_forward(value: Any, allow_int: bool) -> None:
+    """torch's type check, in its words (an int means a group size, see _post_forward_size)."""
+    if allow_int and value is not None and not isinstance(value, (bool, int)):
+        raise ValueError(
+            "reshard_after_forward should be a bool or an int representing the group size to "
+            f"reshard to, not {value}"
+        )
+    if not allow_int and not isinstance(value, bool):
+        raise ValueError(f"reshard_after_forward should be a bool, got {type(value)}")
 
 
 def _post_forward_size(
@@ -452,6 +466,7 @@ class FSDPModule(TorchFSDPModule):
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the unsharded params (the root's too, as an explicit True does)."""
+        _check_reshard_after_forward(reshard_after_forward, allow_int=False)
         for m in self._owners(recurse):
             unit = m._unit
             unit.set_rules(
