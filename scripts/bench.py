@@ -66,6 +66,8 @@ NO_ORDER_CHECK = "fsdp_lite/FULL_SHARD/no_order_check"
 # fsdp_lite's FSDP2 front, fully_shard per block and root: the same calls as torch_fsdp2's
 LITE_FSDP2 = "fsdp_lite/fully_shard"
 FLOOR = "single"
+# --baseline REF: fsdp_lite as of git REF, imported under this name (export_baseline)
+BASELINE_PACKAGE = "fsdp_lite_baseline"
 
 # ---- the systems ---------------------------------------------------------------------------------
 
@@ -87,6 +89,9 @@ class SystemSpec:
     order_check: bool = True
     # deepspeed: ZeRO-3's memory_efficient_linear (None: DeepSpeed's default, True)
     memory_efficient_linear: bool | None = None
+    # lite, lite_fsdp2: the package to build with; BASELINE_PACKAGE is another commit's fsdp_lite
+    # (--baseline), so that two versions train side by side in one run.
+    package: str = "fsdp_lite"
 
 
 # DeepSpeed ZeRO stages, when deepspeed is installed (the "deepspeed" extra). ZeRO-1 and -2
@@ -103,8 +108,9 @@ DEEPSPEED_SYSTEMS = (
 )
 
 
-def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
-    """The systems this world size and this fsdp_lite can run, and why any others are left out."""
+def all_systems(world_size: int, baseline: bool = False) -> tuple[list[SystemSpec], dict[str, str]]:
+    """The systems this world size and this fsdp_lite can run, and why any others are left out;
+    with ``baseline``, also ``baseline/...``: the fsdp_lite systems of ``--baseline REF``."""
     import fsdp_lite
 
     specs = [
@@ -133,6 +139,12 @@ def all_systems(world_size: int) -> tuple[list[SystemSpec], dict[str, str]]:
         left_out["fsdp_lite/HYBRID_SHARD"] = (
             f"world size {world_size}: needs 2 replicas of at least 2 shards (an even world size >= 4)"
         )
+    if baseline:
+        specs += [
+            dataclasses.replace(s, name=f"baseline/{s.name}", package=BASELINE_PACKAGE)
+            for s in specs
+            if s.kind in ("lite", "lite_fsdp2") and not s.backend_collectives and s.order_check
+        ]
     if importlib.util.find_spec("deepspeed") is not None:
         specs += DEEPSPEED_SYSTEMS
     else:
@@ -196,16 +208,14 @@ def build_system(
     elif spec.kind in ("fsdp2", "lite_fsdp2"):
         import torch.distributed.fsdp as torch_fsdp
 
-        import fsdp_lite
-
-        api = torch_fsdp if spec.kind == "fsdp2" else fsdp_lite
+        api = torch_fsdp if spec.kind == "fsdp2" else importlib.import_module(spec.package)
         mp_policy = api.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in model.blocks:
             api.fully_shard(block, mp_policy=mp_policy)
         api.fully_shard(model, mp_policy=mp_policy)
     elif spec.kind == "lite":
-        import fsdp_lite
-        from fsdp_lite.wrap import ModuleWrapPolicy
+        fsdp_lite = importlib.import_module(spec.package)
+        ModuleWrapPolicy = importlib.import_module(f"{spec.package}.wrap").ModuleWrapPolicy  # noqa: N806
 
         kwargs = {}
         if spec.strategy == "HYBRID_SHARD":
@@ -232,7 +242,7 @@ def build_system(
         for owner in unit_owners(model):
             owner._unit.transport = collectives.BACKEND
     if not spec.order_check:
-        fsdp_lite.set_collective_order_check(model, False)
+        importlib.import_module(spec.package).set_collective_order_check(model, False)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     return System(spec, model, optim, autocast)
 
@@ -624,6 +634,8 @@ def broadcast_command(command: tuple | None) -> tuple | None:
 
 
 def run_rank(rank: int, args: argparse.Namespace, init_method: str, plan: list) -> None:
+    if args.baseline_dir:
+        sys.path.insert(0, args.baseline_dir)
     torch.set_num_threads(args.threads)
     dist.init_process_group(
         "gloo",
@@ -634,7 +646,7 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, plan: list) 
     )
     try:
         cfg = model_config(args)
-        specs = {s.name: s for s in all_systems(args.world_size)[0]}
+        specs = {s.name: s for s in all_systems(args.world_size, bool(args.baseline_dir))[0]}
         raw: dict[tuple[str, str], list[dict]] = {}
         started = time.perf_counter()
         if args.interleave:
@@ -679,6 +691,30 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, plan: list) 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def export_baseline(ref: str) -> str:
+    """fsdp_lite as of git ``ref``, exported into a new temporary directory as the package
+    ``fsdp_lite_baseline`` (its own imports renamed), so that it imports beside today's."""
+    import io
+    import re
+    import subprocess
+    import tarfile
+
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", ref, "fsdp_lite"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    directory = Path(tempfile.mkdtemp(prefix="bench_baseline_"))
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(directory, filter="data")
+    package = directory / BASELINE_PACKAGE
+    (directory / "fsdp_lite").rename(package)
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        path.write_text(re.sub(r"\bfsdp_lite\b(?!::)", BASELINE_PACKAGE, text))
+    return str(directory)
 
 
 def say(line: str) -> None:
@@ -1040,6 +1076,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "within 10 minutes",
     )
     add("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    add(
+        "--baseline",
+        metavar="REF",
+        help="also the fsdp_lite systems of git REF (a commit of this repo), as baseline/..., "
+        "built and stepped beside today's in the same run",
+    )
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.argv = argv
@@ -1055,7 +1097,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
     if args.sequential and math.ceil(args.steps / args.rounds) < 2:
         parser.error("need at least 2 timed steps per round: raise --steps or lower --rounds")
-    specs, args.left_out = all_systems(args.world_size)
+    args.baseline_dir = export_baseline(args.baseline) if args.baseline else None
+    specs, args.left_out = all_systems(args.world_size, bool(args.baseline_dir))
     names = [s.name for s in specs]
     precisions = args.precision.split(",")
     for p in precisions:
