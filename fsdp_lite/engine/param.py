@@ -250,6 +250,9 @@ class Param:
         self.shard_dim = 0
         self.tp = None
         self.disk_files = None
+        # Unsynced backwards' gradients in the reduce dtype (keep_unsynced_grad); 1D or the
+        # copy's shape, a plain tensor.
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
 
     def point_modules_to(self, param: nn.Parameter) -> None:
         """Make every module attribute that holds this parameter hold ``param``."""
@@ -258,15 +261,42 @@ class Param:
             module._parameters[name] = param
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """The gradient autograd left on the copy forward ran on (a plain tensor), dropped from
-        it: the reduction's buffer holds its data from now on."""
-        holder = self.unsharded_param
-        grad = self.local_grad(holder.grad)
-        holder.grad = None
+        """The gradient autograd left on the copy forward ran on (a plain tensor), added to what
+        backwards without gradient sync kept (``keep_unsynced_grad``), dropped from both: the
+        reduction's buffer holds its data from now on."""
+        self._add_to_accumulated()
+        grad, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
+        if grad is None:
+            holder = self.unsharded_param
+            grad = self.local_grad(holder.grad)
+            holder.grad = None
         return grad
+
+    def keep_unsynced_grad(self, reduce_dtype: torch.dtype) -> None:
+        """A backward without gradient sync ended: keep its gradient in ``reduce_dtype``, where
+        the next ones add theirs, instead of summing them in the compute dtype (torch FSDP2's
+        accumulation; Note [Unsynced accumulation] in unit.py)."""
+        self._add_to_accumulated()
+        grad = self.local_grad(self.unsharded_param.grad)
+        if self.unsharded_accumulated_grad is None and grad is not None:
+            if grad.dtype != reduce_dtype:
+                self.unsharded_accumulated_grad = grad.to(reduce_dtype)
+                self.unsharded_param.grad = None
+
+    def _add_to_accumulated(self) -> None:
+        grad = self.local_grad(self.unsharded_param.grad)
+        if self.unsharded_accumulated_grad is not None and grad is not None:
+            self.unsharded_accumulated_grad += grad
+            self.unsharded_param.grad = None
 
     def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         return grad
+
+    def drop_unsharded_grad(self) -> None:
+        """Forget the gradient autograd left on the unsharded copy, and what backwards without
+        gradient sync kept (a step that raised)."""
+        self.unsharded_param.grad = None
+        self.unsharded_accumulated_grad = None
 
     def reset_sharded_param(self, param_dtype: torch.dtype | None) -> bool:
         """Take back the parameter after ``nn.Module._apply`` (``to``, ``double``, ``to_empty``...).
@@ -604,6 +634,13 @@ class ReplicatedParam(Param):
         is written into it (``land_whole``), as DDP does."""
         return self.sharded_param.grad
 
+    def drop_unsharded_grad(self) -> None:
+        """Nothing: the parameter's own gradient is the optimizer's too (a step that raised
+        leaves it, as DDP does)."""
+
+    def keep_unsynced_grad(self, reduce_dtype: torch.dtype) -> None:
+        """Nothing: autograd accumulates in the parameter's own grad, as DDP does."""
+
     def land_whole(self, averaged_grad: torch.Tensor, keep_dtype: bool) -> None:
         """The averaged gradient, in the parameter's own dtype (forward ran in it), written
         over what autograd accumulated (which is in the average); a parameter unused on this
@@ -670,6 +707,8 @@ class ReplicatedCopyParam(ReplicatedParam):
             self._unsharded_param.copy_(self.sharded_param)
 
     take_unsharded_grad = Param.take_unsharded_grad  # the copy's, dropped from it
+    drop_unsharded_grad = Param.drop_unsharded_grad
+    keep_unsynced_grad = Param.keep_unsynced_grad
 
     def land_whole(self, averaged_grad: torch.Tensor, keep_dtype: bool) -> None:
         """The averaged gradient of the copy, moved to the parameter's device and, unless

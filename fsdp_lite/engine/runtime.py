@@ -21,6 +21,17 @@ in backward; then comes the last child. Reverse pre-forward order would put the 
 the unit after it in backward (the last block, under a root) would never be prefetched: its
 all-gather would block. Torch FSDP2 prefetches the same way.
 
+Note [Forward states]: a unit's forward begins in its pre-forward and ends in its post-forward,
+with two exceptions, both as in torch FSDP2. A ``fully_shard([a, b])`` group whose pass ran only
+some of its modules is left in FORWARD (torchtitan's chunked loss: the model's forward runs the final
+norm, and the head runs later, once per chunk, with a backward each): the root's post-forward
+finishes such units (reshards them, hooks their backward on the root's output), and a later partial
+pass outside the root's forward hooks its backward on its own output, and that backward begins from
+FORWARD. Every backward ends in ``finalize_backward``, which reduces what it touched, once. And a
+step that raised inside a forward or backward leaves units in FORWARD or BACKWARD with collectives
+in flight: the next root forward (or an explicit ``reset_iter_state``) lands them and puts every
+unit back at rest, dropping that step's unreduced gradients.
+
 Note [Frozen parameters in a unit]: once every trainable parameter of a unit has its gradient,
 autograd may still read the unit's frozen ones: a frozen LayerNorm weight scales the gradient of
 the LayerNorm's input, computed after every gradient of the weights behind it. A unit holding
@@ -34,6 +45,7 @@ its ops, and so through its frozen weights (found by tests/test_properties.py).
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +67,8 @@ from fsdp_lite.engine.unit import (
     unit_owners,
 )
 from fsdp_lite.names import clean_name
+
+logger = logging.getLogger("fsdp_lite")
 
 __all__ = [
     "StepRuntime",
@@ -253,6 +267,15 @@ class StepRuntime:
             unit.unshard("backward")
             unit.wait_for_unshard()
             return args, kwargs
+        if unit.is_root and unit.training_state != TrainingState.IDLE:
+            # The last step stopped inside a forward or backward (an exception the loop caught):
+            # start this one from a clean state, as torch FSDP2 goes on (Note [Forward states]).
+            logger.warning(
+                "fsdp_lite: the root's forward begins in state %s, left by a step that raised; "
+                "resetting every unit (reset_iter_state) and dropping that step's gradients",
+                unit.training_state.name,
+            )
+            self.reset_iter_state()
         unit.assert_state(TrainingState.IDLE)
         self._record_order(self.forward_order, self._position, unit)
         event = unit.settings.take_post_optim_event()
@@ -295,6 +318,20 @@ class StepRuntime:
         if unit.training_state == TrainingState.BACKWARD:
             return output  # a recompute (see pre_forward): backward goes on with these params
         unit.assert_state(TrainingState.FORWARD)
+        self._finish_forward(unit, output)
+        if unit.is_root:
+            # Units whose forward is left open (a fully_shard([a, b]) group only some of whose
+            # modules ran) finish with the root's, their backward hooked on its output, as torch
+            # FSDP2 does; an all-gather prefetched for a unit whose forward did not come lands:
+            # nothing stays in flight past the root's forward (Note [Forward states]).
+            for other in self.units:
+                if other is not unit and other.training_state == TrainingState.FORWARD:
+                    self._finish_forward(other, output)
+                other.land_unused_prefetch()
+        return output
+
+    def _finish_forward(self, unit: ShardedUnit, output) -> None:
+        """What ends a unit's forward: reshard unless kept, IDLE, backward hooked on ``output``."""
         unit.computes("forward", "end")
         self._record_order(self.post_forward_order, self._post_position, unit)
         grad_enabled = torch.is_grad_enabled()
@@ -305,12 +342,6 @@ class StepRuntime:
         unit.enter(TrainingState.IDLE)
         if grad_enabled:
             self.register_pre_backward(unit, output)
-        if unit.is_root:
-            # An all-gather prefetched for a unit whose forward did not come (a forward that
-            # skips it) lands now: nothing stays in flight past the root's forward.
-            for other in self.units:
-                other.land_unused_prefetch()
-        return output
 
     # ---- backward ----------------------------------------------------------------------------
 
@@ -325,7 +356,9 @@ class StepRuntime:
         rec = self.record(unit)
         if rec.ran_pre_backward:  # another output of the same unit already triggered it
             return
-        unit.assert_state(TrainingState.IDLE)
+        # FORWARD: a group only some of whose modules ran, called outside the root's forward
+        # (a chunked loss's head): its backward begins from there (Note [Forward states]).
+        unit.assert_state(TrainingState.IDLE, TrainingState.FORWARD)
         rec.ran_pre_backward = True
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self.finalize_backward)
@@ -400,6 +433,7 @@ class StepRuntime:
             if unit.settings.requires_gradient_sync and needs_reduce and not rec.reduced:
                 self._start_reduce(unit)
             elif needs_reduce and unit.trainable and not unit.settings.requires_gradient_sync:
+                unit.keep_unsynced_grads()
                 self._unreduced.add(unit)
         while self._in_flight:
             self._advance_in_flight()
@@ -424,6 +458,20 @@ class StepRuntime:
         ):
             self._reduce(unit)
         unit.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward: land every collective in flight, then put
+        every unit back at rest (sharded, IDLE) and forget this step's backward; the gradients
+        the failed step had not landed are dropped, as torch FSDP2's ``reset_iter_state`` does.
+        No collective is issued, so ranks that failed alike stay in step."""
+        in_flight, self._in_flight = self._in_flight, []
+        for pending in in_flight:
+            pending.unit.drop_reduce(pending)
+        for unit in self.units:
+            unit.reset()
+        self._backward.clear()
+        self._unreduced.clear()
+        self._callback_queued = False
 
     # ---- prefetch ----------------------------------------------------------------------------
 

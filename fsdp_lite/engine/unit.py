@@ -40,6 +40,17 @@ forward sees the counters moved and all-gathers into the kept unsharded params, 
 moved, points the modules back at them with no collective. Any in-place change to the shards (a
 loaded state dict, a manual edit under no_grad) is picked up the same way, with no optimizer hook.
 
+Note [Unsynced accumulation]: backwards without gradient sync (``no_sync``,
+``set_requires_gradient_sync(False)``) leave their gradients on the unsharded params, and the next
+backward that syncs reduces the sum. Under a ``param_dtype`` (bf16) with a wider ``reduce_dtype``
+(fp32), torch FSDP2 keeps that sum in the reduce dtype: at the end of the first unsynced backward
+the gradient moves into an fp32 ``unsharded_accumulated_grad`` and later ones are added to it.
+torch FSDP1 sums in the param dtype (measured: its unsharded gradient stays bf16 under
+``no_sync``). Each front does as its torch counterpart (``UnitSettings.unsynced_grads_in_reduce_
+dtype``). The cost under the FSDP2 front: the reduce dtype's bytes for each parameter of a unit
+with unsynced gradients, unsharded: 4 bytes per parameter in fp32, where the bf16 gradient it
+replaces held 2.
+
 Note [HSDP across replicas]: under HYBRID_SHARD a gradient is reduce-scattered within the shard
 group, then its 1/N slice is all-reduced across the replicas. That all-reduce is issued when the
 reduce-scatter lands and waited only at the next landing (the next unit's post-backward, or the
@@ -157,6 +168,9 @@ class UnitSettings:
     gradient_divide_factor: float | None = None
     # What the next forward's first all-gather waits for (FSDP2's set_post_optim_event).
     post_optim_event: Any = None
+    # Backwards without gradient sync sum their gradients in the reduce dtype (torch FSDP2)
+    # rather than in the compute dtype (torch FSDP1): Note [Unsynced accumulation].
+    unsynced_grads_in_reduce_dtype: bool = False
 
     def take_post_optim_event(self) -> Any:
         """The event to wait for, once: the next forward's gathers wait for it, the later ones
@@ -577,6 +591,28 @@ class ShardedUnit:
         elif self.state == ShardedState.SHARDED_POST_FORWARD and not after_forward:
             self._to_sharded()
 
+    def keep_unsynced_grads(self) -> None:
+        """A backward without gradient sync ended (Note [Unsynced accumulation])."""
+        reduce_dtype = self.precision.reduce_dtype
+        if self.settings.unsynced_grads_in_reduce_dtype and reduce_dtype is not None:
+            for p in self.trainable:
+                p.keep_unsynced_grad(reduce_dtype)
+
+    def reset(self) -> None:
+        """Back to rest after a step that raised (runtime.reset_iter_state): the gather in
+        flight lands, the modules hold the shards, and gradients not yet reduced are dropped."""
+        if self._gather is not None:
+            self.wait_for_unshard()
+        for p in self.trainable:
+            p.drop_unsharded_grad()
+        self._partial_reduce_output = None
+        self._to_sharded()
+        self.training_state = TrainingState.IDLE
+
+    def drop_reduce(self, pending: PendingReduce) -> None:
+        """Wait for ``pending``'s collective and drop its result (runtime.reset_iter_state)."""
+        self._wait(pending.op, pending.result)
+
     def land_unused_prefetch(self) -> None:
         """An all-gather in flight for a forward that did not come: land it and reshard."""
         if self._gather is not None:
@@ -647,6 +683,8 @@ class ShardedUnit:
             for g, p in zip(grads, self.trainable)
         ]
         reduce_dtype = self.precision.reduce_dtype or filled[0].dtype
+        if len({g.dtype for g in filled}) > 1:  # an unsynced fp32 sum beside bf16 gradients
+            filled = [g.to(reduce_dtype) for g in filled]  # the copy-in's cast, done first
         had_grad = torch.tensor([float(g is not None) for g in grads], dtype=filled[0].dtype)
         had_grad = had_grad.to(filled[0].device)
         pre, post = self._divide_factors

@@ -183,6 +183,8 @@ def fully_shard(
         unit.reshard_to_smaller_group(_post_forward_group(config.mesh, smaller_group))
     # torch: None frees after forward except at the root; True frees at the root too.
     unit.settings.root_keeps_params = reshard_after_forward is None
+    # torch FSDP2 sums unsynced gradients in the reduce dtype (unit.py Note [Unsynced accumulation])
+    unit.settings.unsynced_grads_in_reduce_dtype = True
     register_grad_hooks(unit, unit.params)
     for p in unit.params:
         p.point_modules_to(p.sharded_param)
@@ -515,7 +517,15 @@ class FSDPModule(TorchFSDPModule):
             m._unit.settings.is_last_backward = is_last_backward
 
     def reset_iter_state(self) -> None:
-        """Nothing to reset between iterations: per-step state resets at the end of backward."""
+        """After an exception in forward or backward, caught by the training loop: land every
+        collective in flight and put every unit at rest, dropping the failed step's unreduced
+        gradients (torch's semantics). The next root forward does it by itself too."""
+        unit = self._unit
+        if unit.runtime is None:
+            return  # nothing ran yet
+        if not unit.is_root:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        lazy_init(self).reset_iter_state()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``to``, ``double``, ``to_empty``...: shards stay the tensors the optimizer steps (see
