@@ -171,7 +171,10 @@ def fully_shard(
     shard_dims = _shard_dims(tree, config, shard_placement_fn)
     _move_to_device(tree, config)
     check_tensor_parallel_params(tree, config, "fully_shard")
-    if smaller_group is not None and any(isinstance(p, DTensor) for p in tree.parameters()):
+    # TP is a property of the parameters this unit itself shards: a nested unit's are DTensors
+    # already (its shards), and are not this unit's.
+    own = (p for _, p in params_to_shard(tree, config))
+    if smaller_group is not None and any(isinstance(p, DTensor) for p in own):
         raise NotImplementedError(  # torch's FSDP2 refuses it too
             "reshard_after_forward as an int with tensor-parallel (DTensor) parameters"
         )
