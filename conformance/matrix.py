@@ -26,7 +26,9 @@ __all__ = [
     "Feature",
     "Precision",
     "build_matrix",
+    "parse_shard",
     "select",
+    "shard",
 ]
 
 CORE_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
@@ -219,6 +221,28 @@ QUICK_MATRIX = (
     Slice(CORE_STRATEGIES, ("fp32",), ("plain",), ("mlp", "nested")),
     Slice(("FULL_SHARD",), ("bf16", "fp16"), ("plain",), ("lm_untied",)),
 )
+# A user's own model (--model): the features that do not depend on the model's structure (the
+# freezing features need the zoo's transformer, activation checkpointing its Block). "*" stands
+# for the model's name.
+_ANY_MODEL_FEATURES = (
+    "cpu_offload",
+    "backward_prefetch_pre",
+    "backward_prefetch_post",
+    "backward_prefetch_none",
+    "forward_prefetch",
+    "move_mid_training",
+)
+MODEL_MATRIX = (
+    Slice(
+        CORE_STRATEGIES, ("fp32", "bf16", "fp16"), ("plain", "no_sync", "clip_grad_norm"), ("*",)
+    ),
+    Slice(CORE_STRATEGIES, ("fp32",), _ANY_MODEL_FEATURES, ("*",)),
+    Slice(EXTRA_STRATEGIES, ("fp32", "bf16"), ("plain", "no_sync", "clip_grad_norm"), ("*",)),
+)
+MODEL_QUICK_MATRIX = (
+    Slice(CORE_STRATEGIES, ("fp32",), ("plain", "no_sync", "clip_grad_norm"), ("*",)),
+    Slice(("FULL_SHARD",), ("bf16",), ("plain",), ("*",)),
+)
 
 
 def build_matrix(
@@ -227,21 +251,27 @@ def build_matrix(
     world_size: int,
     quick: bool = False,
     known_features: dict[str, Iterable[str]] | None = None,
+    model: str | None = None,
 ) -> tuple[list[Case], list[str]]:
     """The cases to run for ``impls``, and notes on what was left out and why.
 
     ``known_strategies[impl]`` lists the ShardingStrategy members that implementation has; an
     extra strategy (HYBRID_SHARD, SHARD_OPTIM) runs only where it exists, a core one always (an
     implementation without it reports it unsupported). ``known_features[impl]`` likewise lists the
-    EXTRA_FEATURES it has; the others run for every implementation.
+    EXTRA_FEATURES it has; the others run for every implementation. ``model`` (a registered
+    user's model, ``--model``) replaces the zoo: ``MODEL_MATRIX`` (``MODEL_QUICK_MATRIX``) on it.
     """
     cases: list[Case] = []
     notes: list[str] = []
     seen: set[Case] = set()
+    if model is not None:
+        slices = MODEL_QUICK_MATRIX if quick else MODEL_MATRIX
+    else:
+        slices = QUICK_MATRIX if quick else DEFAULT_MATRIX
     for impl in impls:
         known = set(known_strategies.get(impl, ()))
         features_known = set((known_features or {}).get(impl, ()))
-        for part in QUICK_MATRIX if quick else DEFAULT_MATRIX:
+        for part in slices:
             for strategy in part.strategies:
                 if strategy not in CORE_STRATEGIES and strategy not in known:
                     continue
@@ -249,17 +279,39 @@ def build_matrix(
                     for feature in part.features:
                         if feature in EXTRA_FEATURES and feature not in features_known:
                             continue
-                        for model in part.models:
-                            case = Case(impl, strategy, precision, feature, model, world_size)
+                        for name in part.models:
+                            name = model if name == "*" else name
+                            case = Case(impl, strategy, precision, feature, name, world_size)
                             if case not in seen:
                                 seen.add(case)
                                 cases.append(case)
-    for model in sorted({c.model for c in cases}):
-        reason = SPECS[model].unavailable()
+    for name in sorted({c.model for c in cases}):
+        reason = SPECS[name].unavailable()
         if reason:
-            notes.append(f"model {model} left out: {reason}")
-            cases = [c for c in cases if c.model != model]
+            notes.append(f"model {name} left out: {reason}")
+            cases = [c for c in cases if c.model != name]
     return cases, notes
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` (1 <= i <= n) as (i, n), for ``--shard``."""
+    index, slash, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i = n = 0
+    if not slash or not 1 <= i <= n:
+        raise ValueError(f"--shard takes i/n with 1 <= i <= n, e.g. 2/4, not {text!r}")
+    return i, n
+
+
+def shard(cases: list[Case], index: int, count: int) -> list[Case]:
+    """Part ``index`` (1-based) of ``count`` of ``cases``: every count-th case from index - 1.
+
+    Round robin, not blocks, so that every part gets a similar mix of models and precisions (and
+    of slow cases); the same for the same case list on every machine, since the list is.
+    """
+    return list(cases[index - 1 :: count])
 
 
 def select(cases: list[Case], patterns: Sequence[str]) -> list[Case]:

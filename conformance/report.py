@@ -26,6 +26,7 @@ from conformance.tolerances import STAGES, TABLE
 
 __all__ = [
     "NON_FINITE",
+    "describe_case",
     "SCHEMA_VERSION",
     "exit_status",
     "format_progress",
@@ -264,6 +265,29 @@ def xml_text(text: str | None) -> str | None:
     if text is None:
         return None
     return _XML_ILLEGAL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def describe_case(case: dict[str, Any]) -> str:
+    """A case of the JSON report in words: its verdict, then each failing comparison with its
+    first problems, then the traceback if it raised (the pytest plugin's failure message)."""
+    lines = [f"{case['name']}: {case['status']} ({case['seconds']:.1f}s)"]
+    if case.get("reason"):
+        lines[0] += f": {case['reason']}"
+    for stage, verdict in case.get("stages", {}).items():
+        for ref in ("vs_ddp", "vs_single"):
+            t = verdict[ref]
+            if t["passed"]:
+                continue
+            tol = t["tolerance"]
+            lines.append(
+                f"  {stage} vs {ref[3:]}: max abs {_num(json_number(t['max_abs']))}, rel "
+                f"{_num(json_number(t['max_rel']))} > atol {tol['atol']:g} + rtol {tol['rtol']:g}"
+                f" (first at step {t['first_failed_step']})"
+            )
+            lines += [f"    {p}" for p in t["problems"][:3]]
+    if case.get("traceback"):
+        lines += ["", case["traceback"].rstrip()]
+    return "\n".join(lines)
 
 
 def to_junit(results: Sequence[CaseResult], suite_name: str = "conformance") -> str:

@@ -386,6 +386,8 @@ def run_cases(
     device: torch.device | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: Callable[[int, int, CaseResult], None] | None = None,
+    exitfirst: bool = False,
+    references: ReferenceCache | None = None,
 ) -> list[CaseResult]:
     """Run ``cases`` on every rank of the default process group; return the same results everywhere.
 
@@ -397,14 +399,20 @@ def run_cases(
         device: this rank's device (default: cpu; pass cuda:LOCAL_RANK for NCCL).
         timeout_s: the data group's collective timeout, the backstop of Note [Lockstep].
         progress: called on every rank after each case with (index, total, result).
+        exitfirst: stop after the first failed case (every rank sees the same results, so all
+            stop there together).
+        references: recorded reference runs to reuse (and add to), e.g. across several calls
+            judging one implementation after another; by default each call records its own.
 
     Returns:
-        One CaseResult per case, in order.
+        One CaseResult per case, in order (fewer under ``exitfirst``).
     """
     if not dist.is_initialized():
         raise RuntimeError("run_cases needs torch.distributed initialized on every rank")
     by_name = dict(adapters) if isinstance(adapters, Mapping) else {a.name: a for a in adapters}
     ctx = RunContext(device or torch.device("cpu"), timeout_s)
+    if references is not None:
+        ctx.references = references
     results = []
     for index, case in enumerate(cases):
         if case.impl not in by_name:
@@ -432,5 +440,7 @@ def run_cases(
         results.append(result)
         if progress is not None:
             progress(index, len(cases), result)
+        if exitfirst and result.status == "failed":
+            break
     ctx.remove_scratch(ctx.scratch_root)
     return results
