@@ -66,8 +66,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=60.0,
-        help="seconds a collective may wait before a case is failed (default 60)",
+        default=None,
+        help="seconds a collective may wait before the case is failed (default 60; 20 in a "
+        "self-test)",
     )
     parser.add_argument(
         "--case",
@@ -103,6 +104,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "times is a regression (improvement); default 10",
     )
     parser.add_argument("--exitfirst", action="store_true", help="stop after the first failed case")
+    parser.add_argument(
+        "--self-test",
+        action="store_true",
+        help="plant each bug of the catalog (conformance/catalog.py) in a copy of fsdp_lite and "
+        "print which case catches it; --only then selects entries by name",
+    )
+    parser.add_argument("--self-test-plan", help=argparse.SUPPRESS)  # set by the self-test
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
     parser.add_argument("--markdown", metavar="PATH", help="write the summary table as Markdown")
@@ -124,6 +132,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(str(e))
     if args.regression_factor is not None and args.compare_to is None:
         parser.error("--regression-factor needs --compare-to")
+    if args.self_test:
+        from conformance.selftest import main_guard
+
+        problem = main_guard(args)
+        if problem:
+            parser.error(problem)
+    if args.timeout is None:
+        from conformance.selftest import SELF_TEST_TIMEOUT_S
+
+        args.timeout = SELF_TEST_TIMEOUT_S if args.self_test or args.self_test_plan else 60.0
     return args
 
 
@@ -144,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"note: {note}")
         print("\n".join(c.name for c in cases))
         return 0
+    if args.self_test:
+        from conformance import selftest
+
+        return selftest.run(args, _torchrun)
     if "RANK" in os.environ:  # started by torchrun, or by launch() below
         return run_rank(args)
     return launch(args, argv)
@@ -155,21 +177,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     Through torchrun's own entry point, so that judging any FSDP needs nothing but torch installed
     (fsdp_lite is imported only by its adapters). The ranks get every option but ``--nproc``.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
         status_file = os.path.join(tmp, "status.json")
-        forwarded = [*_without_nproc(argv), "--status-file", status_file]
-        try:
-            torchrun(
-                # --standalone: a c10d rendezvous on a free local port; torchrun also sets
-                # OMP_NUM_THREADS=1 for the ranks, so they do not fight over the cores.
-                ["--standalone", f"--nproc-per-node={args.nproc}", "--module", "conformance"]
-                + forwarded
-            )
-        except ChildFailedError as e:
-            print(f"conformance: a rank failed (its traceback is above)\n{e}", file=sys.stderr)
+        if not _torchrun(args.nproc, [*_without_nproc(argv), "--status-file", status_file]):
             return 1
         try:
             with open(status_file) as f:
@@ -177,6 +187,23 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         except (OSError, ValueError, KeyError):
             print("conformance: rank 0 left no status; treating the run as failed", file=sys.stderr)
             return 1
+
+
+def _torchrun(nproc: int, argv: list[str]) -> bool:
+    """``python -m conformance ARGV`` on ``nproc`` local ranks; False when a rank failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(
+            # --standalone: a c10d rendezvous on a free local port; torchrun also sets
+            # OMP_NUM_THREADS=1 for the ranks, so they do not fight over the cores.
+            ["--standalone", f"--nproc-per-node={nproc}", "--module", "conformance", *argv]
+        )
+    except ChildFailedError as e:
+        print(f"conformance: a rank failed (its traceback is above)\n{e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -250,6 +277,11 @@ def run_rank(args: argparse.Namespace) -> int:
         device_id=device if device.type == "cuda" else None,
     )
     try:
+        if args.self_test_plan:
+            from conformance.selftest import rank_main
+
+            rank_main(args.self_test_plan, device)
+            return 0
         world_size = dist.get_world_size()
         cases, notes, adapters = _cases(args, world_size)
 
