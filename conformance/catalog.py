@@ -573,7 +573,7 @@ CATALOG: tuple[Bug, ...] = (
             "            dist.all_reduce(flag, group=self.process_group)  # > 0 on every rank if on any\n",
             "            pass  # planted\n",
         ),
-        first=("*/fp16/*",),
+        first=("*/FULL_SHARD/fp16/plain/spiky/*",),
     ),
     _bug(
         "grad_scaler_unscales_first_grad_only",
@@ -604,21 +604,21 @@ CATALOG: tuple[Bug, ...] = (
         first=("*/FULL_SHARD/fp32/move_mid_training/*",),
     ),
     _bug(
-        "recompute_reshards_its_unit",
+        "recompute_runs_as_a_new_forward",
         "activation checkpointing",
-        "a forward recomputed in backward (activation checkpointing) reshards its unit at its "
-        "end, freeing the params its backward is about to use",
-        "pytorch/pytorch#175406 (recompute triggers a reshard); NVIDIA/Megatron-LM#6153 (keep "
-        "recomputed parameters until their backward)",
+        "a forward recomputed in backward (a checkpoint_wrapper around the unit) is taken for a "
+        "new forward, whose state check fails inside backward",
+        "pytorch/pytorch#82203 (FSDP inside checkpoint_wrapper: the pre-backward hook runs "
+        "before the recomputed forward); facebookresearch/fairscale#777",
         P(
             "engine/runtime.py",
             "        if unit.training_state == TrainingState.BACKWARD:\n"
-            "            return output  # a recompute (see pre_forward): backward goes on with these "
-            "params\n",
-            "        if unit.training_state == TrainingState.BACKWARD:  # planted\n"
-            "            unit.reshard()\n"
-            "            return output\n",
+            "            # Activation checkpointing recomputes this unit's forward inside its "
+            "backward: the\n",
+            "        if False:  # planted\n"
+            "            # Activation checkpointing recomputes this unit's forward inside its "
+            "backward: the\n",
         ),
-        first=("*/FULL_SHARD/fp32/activation_checkpointing/*",),
+        first=("*/FULL_SHARD/fp32/checkpoint_outside_unit/*",),
     ),
 )

@@ -21,7 +21,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conformance.models import MODEL_NAMES, Block, ConvNet, FrozenMLP, Nested, build
+from conformance.models import (
+    MODEL_NAMES,
+    Block,
+    BufNet,
+    ConvNet,
+    FrozenMLP,
+    Nested,
+    SpikyMLP,
+    UnusedMLP,
+    build,
+)
 
 __all__ = [
     "BATCH_SIZE",
@@ -51,6 +61,10 @@ class ModelSpec:
     # each rank's part on its own (one forward per part) to compute what the ranks compute.
     batch_coupled: bool = False
     needs: str | None = None  # an optional package this model needs
+    # Parameters no rank uses in forward: the DDP reference needs find_unused_parameters=True.
+    has_unused_params: bool = False
+    # mark(input, step, micro, rank): changes one rank's batch in place at a chosen step.
+    mark: Callable[[torch.Tensor, int, int, int], None] | None = None
     builder: Callable[[], nn.Module] | None = None  # a user's model (--model); None: the zoo's
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # overrides ``loss``
 
@@ -129,6 +143,26 @@ def _frozen_units(model: nn.Module) -> list[nn.Module]:
     return [model.stem, model.mid]
 
 
+def _bufnet_units(model: nn.Module) -> list[nn.Module]:
+    assert isinstance(model, BufNet)
+    return [model.fc1]  # the root keeps fc2 and both buffers
+
+
+def _unused_units(model: nn.Module) -> list[nn.Module]:
+    assert isinstance(model, UnusedMLP)
+    return [model.fc1, model.fc2, model.spare, model.fc3]
+
+
+def _spiky_units(model: nn.Module) -> list[nn.Module]:
+    assert isinstance(model, SpikyMLP)
+    return [model.fc1]  # the root keeps fc2 and spike
+
+
+def _mark_rank0_step2(x: torch.Tensor, step: int, micro: int, rank: int) -> None:
+    if (step, micro, rank) == (1, 0, 0):
+        x[0, 0] = 1e4  # SpikyMLP's mark: an inf in spike's gradient on the rank holding it
+
+
 def _hf_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in _post_order(model) if type(m).__name__ == "LlamaDecoderLayer"]
 
@@ -145,12 +179,30 @@ SPECS: dict[str, ModelSpec] = {
         ModelSpec("hf_llama", _hf_units, _tokens, "cross_entropy", needs="transformers"),
         # Its vocabulary is wider than the tokens fed (VOCAB): the head still sees every class.
         ModelSpec("wide_lm", _of_type(Block), _tokens, "cross_entropy"),
+        ModelSpec("bufnet", _bufnet_units, _regression(7, 3), "mse"),
+        ModelSpec("unused", _unused_units, _regression(7, 3), "mse", has_unused_params=True),
+        ModelSpec("spiky", _spiky_units, _regression(7, 3), "mse", mark=_mark_rank0_step2),
     ]
 }
 
 
-# The zoo's order, fixed before any user model registers, so that their data never changes.
-_ZOO_ORDER = sorted(SPECS)
+# Each model's number in its batches' seeds: the first eight sorted, as they always were, then
+# models added later, so that no model's data changes when another joins.
+_SEED_ORDER = (
+    "convnet",
+    "frozen",
+    "hf_llama",
+    "lm",
+    "lm_untied",
+    "mlp",
+    "nested",
+    "wide_lm",
+    "bufnet",
+    "unused",
+    "spiky",
+)
+_ZOO_ORDER = tuple(SPECS)
+assert set(_SEED_ORDER) == set(_ZOO_ORDER), "give a new zoo model its place in _SEED_ORDER"
 
 
 def spec(name: str) -> ModelSpec:
@@ -161,12 +213,15 @@ def spec(name: str) -> ModelSpec:
 
 def local_batch(model: str, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s (input, target) for micro-batch ``micro`` of ``step``: every rank its own."""
-    if model in _ZOO_ORDER:
-        index = _ZOO_ORDER.index(model)
+    if model in _SEED_ORDER:
+        index = _SEED_ORDER.index(model)
     else:  # a user's model: a number from its name alone, the same on every rank and run
-        index = len(_ZOO_ORDER) + zlib.crc32(model.encode()) % 997
+        index = len(_SEED_ORDER) + zlib.crc32(model.encode()) % 997
     seed = ((step * 8 + micro) * 1009 + rank) * 31 + index
-    return SPECS[model].make_batch(torch.Generator().manual_seed(seed))
+    x, y = SPECS[model].make_batch(torch.Generator().manual_seed(seed))
+    if SPECS[model].mark is not None:
+        SPECS[model].mark(x, step, micro, rank)
+    return x, y
 
 
 @dataclass
