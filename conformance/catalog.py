@@ -153,7 +153,7 @@ CATALOG: tuple[Bug, ...] = (
             "        cast_buffers(m, config.precision.buffer_dtype, skip=(), recurse=False)\n",
             "        pass  # planted\n",
         ),
-        first=("*/bf16/plain/hf_llama/*",),
+        first=("*/FULL_SHARD/bf16/plain/bufnet/*", "*/bf16/plain/hf_llama/*"),
     ),
     _bug(
         "buffer_dtype_lost_in_state_dict",

@@ -86,7 +86,9 @@ def compare(
         a64, b64 = a.detach().double(), b.detach().to(a.device).double()
         same = (a64.isnan() & b64.isnan()) | (a64 == b64)  # inf == inf too (inf - inf is NaN)
         diff = (a64 - b64).abs().masked_fill(same, 0.0)
-        diff = diff.nan_to_num(nan=math.inf)  # a NaN on one side only is an infinite error
+        # A NaN or inf on one side only is an infinite error (nan_to_num would make inf the
+        # largest finite float by default).
+        diff = diff.nan_to_num(nan=math.inf, posinf=math.inf)
         max_abs = diff.max().item()
         scale = b64.abs().nan_to_num(nan=0.0).max().item()
         max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
