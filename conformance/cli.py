@@ -66,9 +66,51 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=60.0,
-        help="seconds a collective may wait before a case is failed (default 60)",
+        default=None,
+        help="seconds a collective may wait before the case is failed (default 60; 20 in a "
+        "self-test)",
     )
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run exactly the case of this name (from --list); repeatable",
+    )
+    parser.add_argument(
+        "--shard",
+        metavar="I/N",
+        help="run part I of N of the selected cases (every N-th from the I-th), to split the "
+        "matrix across CI jobs",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="judge your own model instead of the zoo: FACTORY() returns (model, units, batch) "
+        "(see docs/conformance.md)",
+    )
+    parser.add_argument(
+        "--compare-to",
+        metavar="PATH",
+        help="a previous --json report: report regressions and improvements against it; the exit "
+        "status is then 0 (same), 2 (regressions) or 3 (only improvements)",
+    )
+    parser.add_argument(
+        "--regression-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="with --compare-to: a stage whose distance to a reference grew (shrank) more than F "
+        "times is a regression (improvement); default 10",
+    )
+    parser.add_argument("--exitfirst", action="store_true", help="stop after the first failed case")
+    parser.add_argument(
+        "--self-test",
+        action="store_true",
+        help="plant each bug of the catalog (conformance/catalog.py) in a copy of fsdp_lite and "
+        "print which case catches it; --only then selects entries by name",
+    )
+    parser.add_argument("--self-test-plan", help=argparse.SUPPRESS)  # set by the self-test
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
     parser.add_argument("--markdown", metavar="PATH", help="write the summary table as Markdown")
@@ -81,6 +123,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.impl = args.impl or ["fsdp_lite"]
     if args.nproc < 1 or args.steps < 1:
         parser.error("--nproc and --steps must be at least 1")
+    if args.shard is not None:
+        from conformance.matrix import parse_shard
+
+        try:
+            parse_shard(args.shard)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.regression_factor is not None and args.compare_to is None:
+        parser.error("--regression-factor needs --compare-to")
+    if args.self_test:
+        from conformance.selftest import main_guard
+
+        problem = main_guard(args)
+        if problem:
+            parser.error(problem)
+    if args.timeout is None:
+        from conformance.selftest import SELF_TEST_TIMEOUT_S
+
+        args.timeout = SELF_TEST_TIMEOUT_S if args.self_test or args.self_test_plan else 60.0
     return args
 
 
@@ -91,12 +152,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format=f"%(asctime)s rank {os.environ.get('RANK', '-')} %(name)s %(levelname)s: %(message)s",
     )
+    if args.compare_to is not None:
+        from conformance.baseline import load_report
+
+        load_report(args.compare_to)  # a missing or unreadable baseline fails before any launch
     if args.list:
         cases, notes, _ = _cases(args, int(os.environ.get("WORLD_SIZE", args.nproc)))
         for note in notes:
             print(f"note: {note}")
         print("\n".join(c.name for c in cases))
         return 0
+    if args.self_test:
+        from conformance import selftest
+
+        return selftest.run(args, _torchrun)
     if "RANK" in os.environ:  # started by torchrun, or by launch() below
         return run_rank(args)
     return launch(args, argv)
@@ -108,21 +177,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     Through torchrun's own entry point, so that judging any FSDP needs nothing but torch installed
     (fsdp_lite is imported only by its adapters). The ranks get every option but ``--nproc``.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
         status_file = os.path.join(tmp, "status.json")
-        forwarded = [*_without_nproc(argv), "--status-file", status_file]
-        try:
-            torchrun(
-                # --standalone: a c10d rendezvous on a free local port; torchrun also sets
-                # OMP_NUM_THREADS=1 for the ranks, so they do not fight over the cores.
-                ["--standalone", f"--nproc-per-node={args.nproc}", "--module", "conformance"]
-                + forwarded
-            )
-        except ChildFailedError as e:
-            print(f"conformance: a rank failed (its traceback is above)\n{e}", file=sys.stderr)
+        if not _torchrun(args.nproc, [*_without_nproc(argv), "--status-file", status_file]):
             return 1
         try:
             with open(status_file) as f:
@@ -130,6 +187,23 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         except (OSError, ValueError, KeyError):
             print("conformance: rank 0 left no status; treating the run as failed", file=sys.stderr)
             return 1
+
+
+def _torchrun(nproc: int, argv: list[str]) -> bool:
+    """``python -m conformance ARGV`` on ``nproc`` local ranks; False when a rank failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(
+            # --standalone: a c10d rendezvous on a free local port; torchrun also sets
+            # OMP_NUM_THREADS=1 for the ranks, so they do not fight over the cores.
+            ["--standalone", f"--nproc-per-node={nproc}", "--module", "conformance", *argv]
+        )
+    except ChildFailedError as e:
+        print(f"conformance: a rank failed (its traceback is above)\n{e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -146,19 +220,38 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _cases(args: argparse.Namespace, world_size: int):
+    """The run's cases: the matrix (or --model's), then --only, --case and --shard in that order."""
     from conformance.adapters import get_adapter
-    from conformance.matrix import build_matrix, select
+    from conformance.matrix import build_matrix, parse_shard, select, shard
+    from conformance.zoo import SPECS, register_model, spec_from_factory
 
     adapters = {}
     for spec in args.impl:
         adapter = get_adapter(spec)
         adapters[adapter.name] = adapter
+    model = None
+    if args.model is not None:
+        model_spec = spec_from_factory(args.model)
+        if SPECS.get(model_spec.name) is None:  # a second call in one process keeps the first
+            register_model(model_spec)
+        model = model_spec.name
     known = {name: a.strategies() for name, a in adapters.items()}
     features = {name: a.features() for name, a in adapters.items()}
     cases, notes = build_matrix(
-        list(adapters), known, world_size, quick=args.quick, known_features=features
+        list(adapters), known, world_size, quick=args.quick, known_features=features, model=model
     )
     cases = select(cases, args.only)
+    if args.case:
+        unknown = sorted(set(args.case) - {c.name for c in cases})
+        if unknown:
+            raise SystemExit(f"conformance: no such case (see --list): {', '.join(unknown)}")
+        cases = [c for c in cases if c.name in set(args.case)]
+    if args.shard is not None:
+        index, count = parse_shard(args.shard)
+        notes.append(
+            f"shard {index}/{count}: {len(cases[index - 1 :: count])} cases of {len(cases)}"
+        )
+        cases = shard(cases, index, count)
     return cases, notes, adapters
 
 
@@ -184,6 +277,11 @@ def run_rank(args: argparse.Namespace) -> int:
         device_id=device if device.type == "cuda" else None,
     )
     try:
+        if args.self_test_plan:
+            from conformance.selftest import rank_main
+
+            rank_main(args.self_test_plan, device)
+            return 0
         world_size = dist.get_world_size()
         cases, notes, adapters = _cases(args, world_size)
 
@@ -205,6 +303,7 @@ def run_rank(args: argparse.Namespace) -> int:
             device=device,
             timeout_s=args.timeout,
             progress=lambda i, n, r: say(report.format_progress(i, n, r)),
+            exitfirst=args.exitfirst,
         )
         elapsed = time.perf_counter() - start
         status = report.exit_status(results)
@@ -220,17 +319,44 @@ def run_rank(args: argparse.Namespace) -> int:
                 "steps": args.steps,
                 "quick": args.quick,
                 "only": args.only,
+                "case": args.case,
+                "shard": args.shard,
+                "model": args.model,
+                "exitfirst": args.exitfirst,
                 "seconds": round(elapsed, 2),
             }
-            _write(args.json, report.to_json(results, meta))
+            text = report.to_json(results, meta)
+            markdown = report.to_markdown(results)
+            if args.compare_to is not None:
+                comparison = _compare(args, json.loads(text))
+                say("")
+                say(comparison.format())
+                status = comparison.exit_status
+                doc = json.loads(text)
+                doc["comparison"] = comparison.to_json()
+                doc["exit_status"] = status
+                text = json.dumps(doc, indent=2)  # already strict: to_json made it so
+                markdown += "\n" + comparison.format_markdown()
+            _write(args.json, text)
             _write(args.junit, report.to_junit(results))
-            _write(args.markdown, report.to_markdown(results))
+            _write(args.markdown, markdown)
             _write(args.status_file, json.dumps({"exit_status": status}))
+        if args.compare_to is not None:  # only rank 0 compared: every rank exits alike
+            shared = [status]
+            dist.broadcast_object_list(shared, src=0)
+            status = shared[0]
         # Self-launched ranks exit 0 and the launcher returns the status (a non-zero exit would
         # read as a crash); under torchrun every rank exits with it.
         return 0 if args.status_file else status
     finally:
         dist.destroy_process_group()
+
+
+def _compare(args: argparse.Namespace, doc: dict):
+    from conformance.baseline import DEFAULT_FACTOR, compare_reports, load_report
+
+    factor = DEFAULT_FACTOR if args.regression_factor is None else args.regression_factor
+    return compare_reports(load_report(args.compare_to), doc, args.compare_to, factor)
 
 
 def _write(path: str | None, text: str) -> None:

@@ -46,8 +46,10 @@ def compare(
     expected: dict[str, torch.Tensor | None],
     tol: Tolerance,
     skip: frozenset[str] = frozenset(),
+    check_dtype: bool = False,
 ) -> Comparison:
-    """Compare named tensors (None = no gradient) with the reference's; ``skip`` names are left out."""
+    """Compare named tensors (None = no gradient) with the reference's; ``skip`` names are left
+    out; with ``check_dtype`` a tensor of another dtype fails whatever its values."""
     result = Comparison()
     worst_excess = -math.inf
 
@@ -76,13 +78,17 @@ def compare(
         if a.shape != b.shape:
             problem(f"{name}: shape {tuple(a.shape)}, the reference {tuple(b.shape)}")
             continue
+        if check_dtype and a.dtype != b.dtype:
+            problem(f"{name}: dtype {a.dtype}, the reference {b.dtype}")
         if a.numel() == 0:
             continue
         # float64 on the tensors' device: exact for every dtype compared here.
         a64, b64 = a.detach().double(), b.detach().to(a.device).double()
-        both_nan = a64.isnan() & b64.isnan()
-        diff = (a64 - b64).abs().masked_fill(both_nan, 0.0)
-        diff = diff.nan_to_num(nan=math.inf)  # a NaN on one side only is an infinite error
+        same = (a64.isnan() & b64.isnan()) | (a64 == b64)  # inf == inf too (inf - inf is NaN)
+        diff = (a64 - b64).abs().masked_fill(same, 0.0)
+        # A NaN or inf on one side only is an infinite error (nan_to_num would make inf the
+        # largest finite float by default).
+        diff = diff.nan_to_num(nan=math.inf, posinf=math.inf)
         max_abs = diff.max().item()
         scale = b64.abs().nan_to_num(nan=0.0).max().item()
         max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)

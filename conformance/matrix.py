@@ -26,7 +26,9 @@ __all__ = [
     "Feature",
     "Precision",
     "build_matrix",
+    "parse_shard",
     "select",
+    "shard",
 ]
 
 CORE_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
@@ -61,11 +63,18 @@ class Case:
 
 @dataclass(frozen=True)
 class Precision:
-    """Mixed precision as FSDP1's MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=dtype)."""
+    """Mixed precision as FSDP1's MixedPrecision(param_dtype=dtype, reduce_dtype=reduce_dtype or
+    dtype, buffer_dtype=dtype)."""
 
     name: str
     dtype: torch.dtype | None  # None: everything in fp32, no mixed precision
     grad_scaler: bool = False  # fp16 needs loss scaling (a ShardedGradScaler)
+    reduce_dtype: torch.dtype | None = None  # None: gradients are reduced in ``dtype``
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in (None: fp32, no mixed precision)."""
+        return self.reduce_dtype or self.dtype
 
 
 PRECISIONS = {
@@ -74,6 +83,9 @@ PRECISIONS = {
         Precision("fp32", None),
         Precision("bf16", torch.bfloat16),
         Precision("fp16", torch.float16, grad_scaler=True),
+        # bf16 compute, fp32 gradient reduction: a policy whose reduce dtype differs from the
+        # param dtype, which the three above never exercise (each reduces in its param dtype).
+        Precision("bf16r32", torch.bfloat16, reduce_dtype=torch.float32),
     ]
 }
 
@@ -86,7 +98,9 @@ class Feature:
     doc: str
     # Training loop (the references do the same):
     micro_batches: int = 1  # > 1: all but the last backward run under no_sync()
+    sync_micro_batches: bool = False  # every micro-batch's backward syncs (no no_sync())
     clip_grad_norm: float | None = None  # clip_grad_norm_(max_norm) between backward and step
+    clip_norm_type: float = 2.0  # clip_grad_norm_'s norm_type
     # Freeze before wrapping: "block" the first block and the position embedding (a whole unit
     # frozen), "in_unit" the token embedding and the first block's LayerNorm (frozen beside
     # trainable params in both units).
@@ -94,6 +108,12 @@ class Feature:
     # Wrapping only (the references train exactly as in "plain"):
     activation_checkpointing: bool = False
     checkpoint_after_wrap: bool = False  # torch's checkpoint_wrapper per Block, after wrapping
+    # torch's checkpoint_wrapper around each unit's outermost module after wrapping, so that the
+    # recompute in backward runs the implementation's own forward hooks again.
+    checkpoint_outside_unit: bool = False
+    # The state-dict round trip goes through torch.distributed.checkpoint and the sharded state
+    # dict (each rank saves and loads its shards) instead of a full state dict.
+    sharded_checkpoint: bool = False
     move_mid_training: bool = False  # model.to(this rank's device, with its index) after step 1
     cpu_offload: bool = False  # parameters in CPU memory between uses
     disk_offload: bool = False  # parameters in files under the case's scratch directory
@@ -104,7 +124,13 @@ class Feature:
     @property
     def reference_key(self) -> tuple:
         """Features with the same key train the references identically (their runs are shared)."""
-        return (self.micro_batches, self.clip_grad_norm, self.freeze)
+        return (
+            self.micro_batches,
+            self.sync_micro_batches,
+            self.clip_grad_norm,
+            self.clip_norm_type,
+            self.freeze,
+        )
 
 
 FEATURES = {
@@ -114,6 +140,20 @@ FEATURES = {
         Feature("no_sync", "2 micro-batches, the first under no_sync()", micro_batches=2),
         # Small enough that every step clips: the clip coefficient, and so the norm, matters.
         Feature("clip_grad_norm", "clip_grad_norm_(0.05) before the step", clip_grad_norm=0.05),
+        # The inf-norm is a max, combined across ranks by MAX, not SUM; max_norm 1 is above every
+        # inf-norm of these models' gradients, so the clip coefficient must stay exactly 1.
+        Feature(
+            "clip_grad_norm_inf",
+            "clip_grad_norm_(1.0, norm_type=inf) before the step (never clips: coefficient 1)",
+            clip_grad_norm=1.0,
+            clip_norm_type=float("inf"),
+        ),
+        Feature(
+            "accumulate",
+            "2 micro-batches, both synced (gradient accumulation without no_sync())",
+            micro_batches=2,
+            sync_micro_batches=True,
+        ),
         Feature(
             "activation_checkpointing",
             "transformer blocks recompute activations in backward",
@@ -146,6 +186,18 @@ FEATURES = {
             "checkpoint_after_wrap",
             "apply_activation_checkpointing(NO_REENTRANT checkpoint_wrapper) after wrapping",
             checkpoint_after_wrap=True,
+        ),
+        Feature(
+            "checkpoint_outside_unit",
+            "a NO_REENTRANT checkpoint_wrapper around each wrapped unit: its recompute reruns the "
+            "unit's own forward, hooks included, inside backward, after the unit's pre-backward",
+            checkpoint_outside_unit=True,
+        ),
+        Feature(
+            "sharded_checkpoint",
+            "the round trip saves the sharded state dict with torch.distributed.checkpoint and "
+            "loads it into the fresh model's sharded state dict",
+            sharded_checkpoint=True,
         ),
         Feature(
             "move_mid_training",
@@ -198,6 +250,12 @@ _LOOP_FEATURES = tuple(f for f in FEATURES if f != "tied_weights" and f not in E
 # mixed-precision reference for it.
 _MODELS = ("mlp", "nested", "convnet", "frozen", "hf_llama")
 DEFAULT_MATRIX = (
+    # A reduce dtype other than the param dtype; a persistent float buffer through a state-dict
+    # round trip under buffer_dtype; a parameter no rank uses (its grad must stay None).
+    Slice(CORE_STRATEGIES, ("bf16r32",), ("plain",), ("lm_untied", "bufnet")),
+    Slice(CORE_STRATEGIES, ("fp32", "bf16"), ("plain",), ("bufnet", "unused")),
+    # fp16: an inf in the gradient rows of one rank only; the gradient scaler must agree.
+    Slice(CORE_STRATEGIES, ("fp16",), ("plain",), ("spiky",)),
     Slice(CORE_STRATEGIES, ("fp32", "bf16", "fp16"), _LOOP_FEATURES, ("lm_untied",)),
     Slice(CORE_STRATEGIES, ("fp32", "bf16", "fp16"), ("tied_weights",), ("lm",)),
     Slice(CORE_STRATEGIES, ("fp32",), ("plain", "no_sync", "clip_grad_norm"), _MODELS),
@@ -214,10 +272,56 @@ DEFAULT_MATRIX = (
     ),
 )
 QUICK_MATRIX = (
-    Slice(CORE_STRATEGIES, ("fp32",), ("plain", "no_sync", "clip_grad_norm"), ("lm_untied",)),
+    Slice(
+        CORE_STRATEGIES,
+        ("fp32",),
+        ("plain", "no_sync", "clip_grad_norm", "clip_grad_norm_inf"),
+        ("lm_untied",),
+    ),
     Slice(CORE_STRATEGIES, ("fp32",), ("tied_weights",), ("lm",)),
     Slice(CORE_STRATEGIES, ("fp32",), ("plain",), ("mlp", "nested")),
-    Slice(("FULL_SHARD",), ("bf16", "fp16"), ("plain",), ("lm_untied",)),
+    Slice(("FULL_SHARD",), ("bf16", "fp16", "bf16r32"), ("plain",), ("lm_untied",)),
+    # One case of each other thing the self-test's catalog shows can break on its own (the
+    # extra strategies and features only for implementations that have them).
+    Slice(EXTRA_STRATEGIES, ("fp32",), ("plain",), ("lm_untied",)),
+    Slice(
+        ("FULL_SHARD",),
+        ("fp32",),
+        (
+            "accumulate",
+            "frozen_in_unit",
+            "move_mid_training",
+            "checkpoint_outside_unit",
+            "sharded_checkpoint",
+            "disk_offload",
+        ),
+        ("lm_untied",),
+    ),
+    Slice(("FULL_SHARD",), ("fp32",), ("plain",), ("unused",)),
+    Slice(("FULL_SHARD",), ("bf16",), ("plain",), ("bufnet",)),
+    Slice(("FULL_SHARD",), ("fp16",), ("plain",), ("spiky",)),
+)
+# A user's own model (--model): the features that do not depend on the model's structure (the
+# freezing features need the zoo's transformer, activation checkpointing its Block). "*" stands
+# for the model's name.
+_ANY_MODEL_FEATURES = (
+    "cpu_offload",
+    "backward_prefetch_pre",
+    "backward_prefetch_post",
+    "backward_prefetch_none",
+    "forward_prefetch",
+    "move_mid_training",
+)
+MODEL_MATRIX = (
+    Slice(
+        CORE_STRATEGIES, ("fp32", "bf16", "fp16"), ("plain", "no_sync", "clip_grad_norm"), ("*",)
+    ),
+    Slice(CORE_STRATEGIES, ("fp32",), _ANY_MODEL_FEATURES, ("*",)),
+    Slice(EXTRA_STRATEGIES, ("fp32", "bf16"), ("plain", "no_sync", "clip_grad_norm"), ("*",)),
+)
+MODEL_QUICK_MATRIX = (
+    Slice(CORE_STRATEGIES, ("fp32",), ("plain", "no_sync", "clip_grad_norm"), ("*",)),
+    Slice(("FULL_SHARD",), ("bf16",), ("plain",), ("*",)),
 )
 
 
@@ -227,21 +331,27 @@ def build_matrix(
     world_size: int,
     quick: bool = False,
     known_features: dict[str, Iterable[str]] | None = None,
+    model: str | None = None,
 ) -> tuple[list[Case], list[str]]:
     """The cases to run for ``impls``, and notes on what was left out and why.
 
     ``known_strategies[impl]`` lists the ShardingStrategy members that implementation has; an
     extra strategy (HYBRID_SHARD, SHARD_OPTIM) runs only where it exists, a core one always (an
     implementation without it reports it unsupported). ``known_features[impl]`` likewise lists the
-    EXTRA_FEATURES it has; the others run for every implementation.
+    EXTRA_FEATURES it has; the others run for every implementation. ``model`` (a registered
+    user's model, ``--model``) replaces the zoo: ``MODEL_MATRIX`` (``MODEL_QUICK_MATRIX``) on it.
     """
     cases: list[Case] = []
     notes: list[str] = []
     seen: set[Case] = set()
+    if model is not None:
+        slices = MODEL_QUICK_MATRIX if quick else MODEL_MATRIX
+    else:
+        slices = QUICK_MATRIX if quick else DEFAULT_MATRIX
     for impl in impls:
         known = set(known_strategies.get(impl, ()))
         features_known = set((known_features or {}).get(impl, ()))
-        for part in QUICK_MATRIX if quick else DEFAULT_MATRIX:
+        for part in slices:
             for strategy in part.strategies:
                 if strategy not in CORE_STRATEGIES and strategy not in known:
                     continue
@@ -249,17 +359,39 @@ def build_matrix(
                     for feature in part.features:
                         if feature in EXTRA_FEATURES and feature not in features_known:
                             continue
-                        for model in part.models:
-                            case = Case(impl, strategy, precision, feature, model, world_size)
+                        for name in part.models:
+                            name = model if name == "*" else name
+                            case = Case(impl, strategy, precision, feature, name, world_size)
                             if case not in seen:
                                 seen.add(case)
                                 cases.append(case)
-    for model in sorted({c.model for c in cases}):
-        reason = SPECS[model].unavailable()
+    for name in sorted({c.model for c in cases}):
+        reason = SPECS[name].unavailable()
         if reason:
-            notes.append(f"model {model} left out: {reason}")
-            cases = [c for c in cases if c.model != model]
+            notes.append(f"model {name} left out: {reason}")
+            cases = [c for c in cases if c.model != name]
     return cases, notes
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` (1 <= i <= n) as (i, n), for ``--shard``."""
+    index, slash, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i = n = 0
+    if not slash or not 1 <= i <= n:
+        raise ValueError(f"--shard takes i/n with 1 <= i <= n, e.g. 2/4, not {text!r}")
+    return i, n
+
+
+def shard(cases: list[Case], index: int, count: int) -> list[Case]:
+    """Part ``index`` (1-based) of ``count`` of ``cases``: every count-th case from index - 1.
+
+    Round robin, not blocks, so that every part gets a similar mix of models and precisions (and
+    of slow cases); the same for the same case list on every machine, since the list is.
+    """
+    return list(cases[index - 1 :: count])
 
 
 def select(cases: list[Case], patterns: Sequence[str]) -> list[Case]:

@@ -20,12 +20,15 @@ import torch.utils.checkpoint
 __all__ = [
     "MODEL_NAMES",
     "Block",
+    "BufNet",
     "ConvNet",
     "FrozenMLP",
     "GPTConfig",
     "MLP",
     "Nested",
     "TinyLM",
+    "SpikyMLP",
+    "UnusedMLP",
     "build",
 ]
 
@@ -168,6 +171,76 @@ class FrozenMLP(nn.Module):
         return self.head(x + self.mid(x))
 
 
+class BufNet(nn.Module):
+    """An MLP whose hidden layer is scaled by a persistent float buffer: under
+    MixedPrecision(buffer_dtype=...) the buffer computes in that dtype, and a state dict must
+    still save it in its own (fp32) dtype. An integer buffer rides along, never cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.fc2 = nn.Linear(13, 3)
+        self.register_buffer("scale", torch.rand(13) + 0.5)  # persistent, float
+        self.register_buffer("version", torch.tensor([3]))  # persistent, integer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)) * self.scale)
+
+
+class UnusedMLP(nn.Module):
+    """An MLP with a unit no forward uses (``spare``) and an unused parameter in a used unit
+    (``fc2.spare_bias``): no rank computes a gradient for either, so both must keep grad None
+    (DDP with find_unused_parameters=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.fc2 = nn.Linear(13, 5)
+        self.fc2.spare_bias = nn.Parameter(torch.randn(5) * 0.1)
+        self.spare = nn.Linear(5, 5)
+        self.fc3 = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class _SpikeGrad(torch.autograd.Function):
+    """Identity on ``spike`` in forward; in backward, an inf in element 3 of its gradient when
+    the batch was marked (SpikyMLP), wherever that element's rows live."""
+
+    @staticmethod
+    def forward(ctx, spike: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
+        ctx.marked = bool(marked)
+        return spike.view_as(spike)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.marked:
+            grad = grad.clone()
+            grad[3] = float("inf")
+        return grad, None
+
+
+class SpikyMLP(nn.Module):
+    """An MLP with a 4-element parameter ``spike`` whose gradient gets an inf in element 3 when
+    the batch carries a mark (an input above 1e3: zoo.py marks rank 0's at step 2).
+
+    Sharded, element 3 lives on one rank only (rows 2-3 of 4 at 2 ranks), so only that rank's
+    gradient scaler finds the inf: every rank must still skip the step together.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.fc2 = nn.Linear(13, 3)
+        self.spike = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        marked = x.abs().amax() > 1e3
+        y = self.fc2(torch.tanh(self.fc1(x.clamp(-10, 10))))
+        return y + _SpikeGrad.apply(self.spike, marked).sum() * 0.0
+
+
 def _build_hf_llama() -> nn.Module:
     """A tiny ``LlamaForCausalLM`` built from a config (no download); needs ``transformers``."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -195,6 +268,9 @@ _BUILDERS = {
     "convnet": ConvNet,
     "frozen": FrozenMLP,
     "hf_llama": _build_hf_llama,
+    "bufnet": BufNet,
+    "unused": UnusedMLP,
+    "spiky": SpikyMLP,
     # Wide enough that every embedding and MLP weight is at least 1 MiB per rank at 2 ranks in bf16:
     # DeepSpeed's NVMe offload never writes a smaller tensor to disk (swap_tensor MIN_AIO_BYTES).
     "wide_lm": lambda: TinyLM(

@@ -71,6 +71,7 @@ class ReferenceRun:
 
     steps: list[dict[str, Any]] = field(default_factory=list)  # stage -> tensors, per step
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    optim_state_dict: dict[str, torch.Tensor] = field(default_factory=dict)  # "(optimizer) n:k"
     after_load: dict[str, Any] = field(default_factory=dict)  # the step after reloading
 
 
@@ -103,6 +104,7 @@ def run_reference(
         )
         run.steps.append(record)
     run.state_dict = trainer.state_dict()
+    run.optim_state_dict = trainer.optim_state_dict()
     fresh = prepare_model(model_spec, feature, FRESH_SEED, device, for_impl=False)
     fresh.load_state_dict(run.state_dict)
     trainer = ReplicaTrainer(fresh, model_spec, precision, device, ddp_group)

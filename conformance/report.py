@@ -1,8 +1,10 @@
 """Turning results into what people and CI systems read: progress lines, a table, JSON, JUnit, Markdown.
 
 Everything here is pure formatting of ``CaseResult``s (runner.py) and the tolerance table; the CLI
-prints on rank 0 only. The JSON schema is documented in docs/conformance.md: one object with a
-``cases`` list; each case's ``stages`` maps a stage to its verdict and its two comparisons.
+prints on rank 0 only. The JSON schema is documented (and versioned, ``SCHEMA_VERSION``) in
+docs/conformance.md: one object with a ``cases`` list; each case's ``stages`` maps a stage to its
+verdict and its two comparisons. Both machine-readable reports parse with strict parsers: JSON has
+no NaN/Infinity literals (non-finite numbers are strings), JUnit XML no characters XML 1.0 forbids.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import re
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Sequence
@@ -22,16 +25,25 @@ from conformance.runner import CaseResult
 from conformance.tolerances import STAGES, TABLE
 
 __all__ = [
-    "tolerance_markdown",
+    "NON_FINITE",
+    "describe_case",
+    "SCHEMA_VERSION",
+    "exit_status",
     "format_progress",
     "format_summary",
+    "json_number",
+    "json_safe",
     "to_json",
     "to_junit",
     "to_markdown",
-    "exit_status",
+    "tolerance_markdown",
+    "xml_text",
 ]
 
-SCHEMA_VERSION = 1
+# 1: the first schema. 2: non-finite numbers are the strings in NON_FINITE (JSON has no NaN or
+# Infinity; Python's json module writes them as bare literals that strict parsers reject).
+SCHEMA_VERSION = 2
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _COLUMNS = (
     "impl",
     "strategy",
@@ -220,7 +232,62 @@ def to_json(results: Sequence[CaseResult], meta: dict[str, Any]) -> str:
         ],
         "cases": [_case_json(r) for r in results],
     }
-    return json.dumps(doc, indent=2, default=str)
+    # allow_nan=False: a non-finite float that escaped json_safe raises here instead of writing
+    # a report that strict parsers reject.
+    return json.dumps(json_safe(doc), indent=2, default=str, allow_nan=False)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by its string in ``NON_FINITE``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def json_number(value: Any) -> Any:
+    """A number as ``to_json`` wrote it, back as a float: the strings of ``NON_FINITE`` too."""
+    if isinstance(value, str) and value in NON_FINITE:
+        return NON_FINITE[value]
+    return value
+
+
+# XML 1.0 allows tab, newline, carriage return and the ranges below; anything else (terminal
+# colour escapes in an exception message, a NUL) makes the whole report unparseable.
+_XML_ILLEGAL = re.compile("[^\t\n\r\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_text(text: str | None) -> str | None:
+    """``text`` with each character XML 1.0 forbids written as its escape, e.g. ``\\x1b``."""
+    if text is None:
+        return None
+    return _XML_ILLEGAL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def describe_case(case: dict[str, Any]) -> str:
+    """A case of the JSON report in words: its verdict, then each failing comparison with its
+    first problems, then the traceback if it raised (the pytest plugin's failure message)."""
+    lines = [f"{case['name']}: {case['status']} ({case['seconds']:.1f}s)"]
+    if case.get("reason"):
+        lines[0] += f": {case['reason']}"
+    for stage, verdict in case.get("stages", {}).items():
+        for ref in ("vs_ddp", "vs_single"):
+            t = verdict[ref]
+            if t["passed"]:
+                continue
+            tol = t["tolerance"]
+            lines.append(
+                f"  {stage} vs {ref[3:]}: max abs {_num(json_number(t['max_abs']))}, rel "
+                f"{_num(json_number(t['max_rel']))} > atol {tol['atol']:g} + rtol {tol['rtol']:g}"
+                f" (first at step {t['first_failed_step']})"
+            )
+            lines += [f"    {p}" for p in t["problems"][:3]]
+    if case.get("traceback"):
+        lines += ["", case["traceback"].rstrip()]
+    return "\n".join(lines)
 
 
 def to_junit(results: Sequence[CaseResult], suite_name: str = "conformance") -> str:
@@ -272,6 +339,10 @@ def to_junit(results: Sequence[CaseResult], suite_name: str = "conformance") -> 
             for s, per in r.stages.items()
             if per["ddp"].compared
         )
+    for el in root.iter():  # messages and tracebacks may carry terminal escapes: see xml_text
+        el.text = xml_text(el.text)
+        for key, value in el.attrib.items():
+            el.set(key, xml_text(value))
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 

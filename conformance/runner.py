@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
@@ -222,6 +223,7 @@ class _CaseRun:
             group=ctx.group,
             device=ctx.device,
             param_dtype=self.precision.dtype,
+            reduce_dtype=self.precision.reduce_dtype,
             backward_prefetch=self.feature.backward_prefetch,
             forward_prefetch=self.feature.forward_prefetch,
             cpu_offload=self.feature.cpu_offload,
@@ -239,6 +241,8 @@ class _CaseRun:
         wrapped = self.adapter.wrap(model, request)
         if self.feature.checkpoint_after_wrap:
             checkpoint_blocks(wrapped)
+        if self.feature.checkpoint_outside_unit:
+            checkpoint_units(wrapped, request.units)
         return ImplTrainer(self.adapter, wrapped, request, self.spec, self.precision)
 
     def _train(self) -> None:
@@ -265,13 +269,30 @@ class _CaseRun:
             )
 
         out.stage = "state_dict"
-        state_dict = impl.state_dict()
+        state_dict = impl_model_state_dict = impl.state_dict()
         expected = {k: r.state_dict for k, r in refs.items()}
-        self._compare("state_dict", self.steps + 1, state_dict, expected)
+        optim_state_dict = impl.optim_state_dict()
+        if optim_state_dict is not None:  # the optimizer state dict, by name, as saved
+            state_dict = {**state_dict, **optim_state_dict}
+            expected = {k: {**r.state_dict, **r.optim_state_dict} for k, r in refs.items()}
+        # A checkpoint keeps dtypes (fp32 params, buffers in their own dtype under buffer_dtype).
+        self._compare("state_dict", self.steps + 1, state_dict, expected, check_dtype=True)
         self._stage_done(out.stage)
+        checkpoint_id = os.path.join(self.scratch_dir, "dcp")
+        if self.feature.sharded_checkpoint:
+            dcp.save(
+                self.adapter.sharded_state_dict(impl.model),
+                checkpoint_id=checkpoint_id,
+                process_group=ctx.group,
+            )
         del impl
         fresh = self._build(seed=FRESH_SEED)
-        self.adapter.load_full_state_dict(fresh.model, state_dict)
+        if self.feature.sharded_checkpoint:
+            target = self.adapter.sharded_state_dict(fresh.model)
+            dcp.load(target, checkpoint_id=checkpoint_id, process_group=ctx.group)
+            self.adapter.load_sharded_state_dict(fresh.model, target)
+        else:
+            self.adapter.load_full_state_dict(fresh.model, impl_model_state_dict)
         self._stage_done(out.stage)
         batches = micro_batches(case, self.steps, ctx.rank, ctx.world_size)
         train_step(
@@ -308,14 +329,21 @@ class _CaseRun:
 
         return check
 
-    def _compare(self, stage: str, step: int, actual: dict, expected: dict[str, dict]) -> None:
+    def _compare(
+        self,
+        stage: str,
+        step: int,
+        actual: dict,
+        expected: dict[str, dict],
+        check_dtype: bool = False,
+    ) -> None:
         for ref in REFERENCES:
             skip = frozenset()
             if ref == "single" and self.spec.batch_coupled:
                 # BatchNorm statistics: the single process updates them once per rank's part.
                 skip = frozenset(k for k in actual if "running_" in k or "num_batches_tracked" in k)
             tally = self.outcome.tallies[stage][ref]
-            tally.add(step, compare(actual, expected[ref], tally.tolerance, skip))
+            tally.add(step, compare(actual, expected[ref], tally.tolerance, skip, check_dtype))
 
     def _compare_loss(self, step: int, losses: dict, expected: dict[str, dict], stage: str) -> None:
         tallies = self.outcome.tallies[stage]
@@ -337,6 +365,32 @@ def checkpoint_blocks(model: torch.nn.Module) -> None:
         ),
         check_fn=lambda m: isinstance(m, Block),
     )
+
+
+def checkpoint_units(model: torch.nn.Module, units: list[torch.nn.Module]) -> None:
+    """A non-reentrant checkpoint_wrapper around each unit's outermost module: the unit itself
+    (FSDP2 hooks it in place), or the wrapper that holds it and nothing else (FSDP1's).
+
+    The unit's pre-backward (a hook on its output) runs first; the recompute, at the first
+    unpack of a saved tensor, then reruns the unit's forward inside its backward (and stops as
+    soon as it has what backward needs: torch's checkpoint early stop). A reentrant wrapper would
+    run the first forward under no_grad, where no pre-backward is registered at all.
+    """
+    parents = {
+        id(child): (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+    }
+    for unit in units:
+        target = unit
+        while id(target) in parents:
+            parent, _ = parents[id(target)]
+            if parent is model or len(list(parent.children())) != 1:
+                break
+            target = parent
+        parent, name = parents[id(target)]
+        wrapped = checkpoint_wrapper(target, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        setattr(parent, name, wrapped)
 
 
 def _with_index(device: torch.device) -> torch.device:
@@ -386,6 +440,8 @@ def run_cases(
     device: torch.device | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: Callable[[int, int, CaseResult], None] | None = None,
+    exitfirst: bool = False,
+    references: ReferenceCache | None = None,
 ) -> list[CaseResult]:
     """Run ``cases`` on every rank of the default process group; return the same results everywhere.
 
@@ -397,14 +453,20 @@ def run_cases(
         device: this rank's device (default: cpu; pass cuda:LOCAL_RANK for NCCL).
         timeout_s: the data group's collective timeout, the backstop of Note [Lockstep].
         progress: called on every rank after each case with (index, total, result).
+        exitfirst: stop after the first failed case (every rank sees the same results, so all
+            stop there together).
+        references: recorded reference runs to reuse (and add to), e.g. across several calls
+            judging one implementation after another; by default each call records its own.
 
     Returns:
-        One CaseResult per case, in order.
+        One CaseResult per case, in order (fewer under ``exitfirst``).
     """
     if not dist.is_initialized():
         raise RuntimeError("run_cases needs torch.distributed initialized on every rank")
     by_name = dict(adapters) if isinstance(adapters, Mapping) else {a.name: a for a in adapters}
     ctx = RunContext(device or torch.device("cpu"), timeout_s)
+    if references is not None:
+        ctx.references = references
     results = []
     for index, case in enumerate(cases):
         if case.impl not in by_name:
@@ -432,5 +494,7 @@ def run_cases(
         results.append(result)
         if progress is not None:
             progress(index, len(cases), result)
+        if exitfirst and result.status == "failed":
+            break
     ctx.remove_scratch(ctx.scratch_root)
     return results

@@ -73,7 +73,7 @@ class Trainer:
     def finish_backward(self) -> None:
         """After the last backward of a step: land gradients in fp32, unscale them under fp16."""
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         raise NotImplementedError
 
     def step(self) -> None:
@@ -107,14 +107,15 @@ def train_step(
     """
     losses = {}
     for i, batch in enumerate(micro_batches):
-        is_last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if is_last else trainer.no_sync():
+        synced = i == len(micro_batches) - 1 or feature.sync_micro_batches
+        with contextlib.nullcontext() if synced else trainer.no_sync():
             losses[f"micro-batch {i}"] = trainer.forward_backward(batch)
     sink("loss", losses)
     trainer.finish_backward()
     norm = None
     if feature.clip_grad_norm is not None:
-        norm = full_tensor(trainer.clip_grad_norm_(feature.clip_grad_norm)).detach().float()
+        norm = trainer.clip_grad_norm_(feature.clip_grad_norm, feature.clip_norm_type)
+        norm = full_tensor(norm).detach().float()
     if "grads" in observe:
         grads = trainer.grads()
         if norm is not None:
@@ -139,6 +140,11 @@ def _optimizer_step(optim: torch.optim.Optimizer, scaler) -> None:
 
 def _flat_optim_state(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {f"{name}:{key}": t for name, per in state.items() for key, t in per.items()}
+
+
+def _optimizer_entries(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Optimizer state by name as the state_dict stage compares it, beside the model's keys."""
+    return {f"(optimizer) {k}": t for k, t in _flat_optim_state(state).items()}
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
@@ -176,8 +182,10 @@ class ImplTrainer(Trainer):
         if self.scaler is not None:
             self.scaler.unscale_(self.optim)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return self.adapter.clip_grad_norm_(self.model, max_norm)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if norm_type == 2.0:  # adapters written before norm_type was passed take two arguments
+            return self.adapter.clip_grad_norm_(self.model, max_norm)
+        return self.adapter.clip_grad_norm_(self.model, max_norm, norm_type=norm_type)
 
     def step(self) -> None:
         if self.scaler is not None:
@@ -200,6 +208,11 @@ class ImplTrainer(Trainer):
     def state_dict(self):
         return self.adapter.full_state_dict(self.model)
 
+    def optim_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The implementation's own optimizer state dict, flat ("(optimizer) name:key"), or None."""
+        osd = self.adapter.full_optim_state_dict(self.model, self.optim)
+        return None if osd is None else _optimizer_entries(osd)
+
 
 class ReplicaTrainer(Trainer):
     """A reference: DDP over ``group`` (``group`` given) or a single process (``group`` None).
@@ -208,6 +221,8 @@ class ReplicaTrainer(Trainer):
     optimizer steps fp32 master weights; forward and backward run on a copy cast to the low
     dtype (float inputs cast too); gradients are reduced in the low dtype (DDP over the copy) and
     cast to fp32 for the step. torch's own DDP mixed precision needs CUDA events, so not used.
+    A reduce dtype other than the low dtype (bf16r32) is done by hand: each rank's accumulated
+    gradients, cast to it and divided by N, are all-reduced after the last backward.
     """
 
     def __init__(
@@ -221,26 +236,40 @@ class ReplicaTrainer(Trainer):
         self.spec, self.device, self.dtype = spec, device, precision.dtype
         self.master = model
         self.compute = copy.deepcopy(model).to(self.dtype) if self.dtype else model
-        if group is None:
+        self.group = group
+        reduce_dtype = precision.grad_reduce_dtype
+        # Reduced by hand in finish_backward: DDP would reduce in the gradients' (low) dtype.
+        self.reduce_dtype = reduce_dtype if reduce_dtype != precision.dtype else None
+        if group is None or self.reduce_dtype is not None:
             self.runner: nn.Module = self.compute
         else:
             self.runner = DistributedDataParallel(
                 self.compute,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 process_group=group,
+                find_unused_parameters=spec.has_unused_params,
                 **_RANK_LOCAL_BUFFERS,
             )
         self.optim = make_sgd(self.master.parameters())
+        self._local_backward = False  # inside no_sync(): gradients stay local
+        self._landed: dict[int, torch.Tensor] = {}  # parameter index -> this step's gradient
         self.scaler = (
             torch.amp.GradScaler(device.type, init_scale=INIT_SCALE)
             if precision.grad_scaler
             else None
         )
 
+    @contextlib.contextmanager
     def no_sync(self):
-        if isinstance(self.runner, DistributedDataParallel):
-            return self.runner.no_sync()
-        return contextlib.nullcontext()  # one process: nothing to synchronize
+        self._local_backward = True
+        try:
+            if isinstance(self.runner, DistributedDataParallel):
+                with self.runner.no_sync():
+                    yield
+            else:
+                yield  # one process, or reduced by hand: nothing to hold back
+        finally:
+            self._local_backward = False
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         losses = []
@@ -251,19 +280,44 @@ class ReplicaTrainer(Trainer):
         # Several parts: the mean of the parts' losses, as DDP's mean over ranks.
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if not self._local_backward:
+            self._land_grads()
         return loss.detach()
 
+    def _land_grads(self) -> None:
+        """After a backward that synced: add its (reduced) gradients to the step's, in fp32.
+
+        As FSDP does: each synced backward's averaged gradient lands on the full-precision
+        (sharded) grad, and a second one is added there. DDP alone would add the second
+        backward's local gradients to the first's averaged ones and average again: the same sum,
+        rounded otherwise. With one synced backward per step this moves tensors and adds nothing.
+        """
+        with torch.no_grad():
+            grads = [low.grad for low in self.compute.parameters()]
+            for low in self.compute.parameters():
+                low.grad = None
+            if self.reduce_dtype is not None and self.group is not None:
+                # As FSDP with reduce_dtype: the low-precision gradients are cast, then averaged
+                # over the ranks in the reduce dtype (divided first, as DDP divides).
+                world_size = dist.get_world_size(self.group)
+                for i, grad in enumerate(grads):
+                    if grad is not None:
+                        grads[i] = grad.to(self.reduce_dtype).div_(world_size)
+                        dist.all_reduce(grads[i], group=self.group)
+            for i, grad in enumerate(grads):
+                if grad is None:
+                    continue
+                grad = grad if self.dtype is None else grad.float()
+                self._landed[i] = grad if i not in self._landed else self._landed[i] + grad
+
     def finish_backward(self) -> None:
-        if self.dtype is not None:
-            with torch.no_grad():
-                for master, low in zip(self.master.parameters(), self.compute.parameters()):
-                    master.grad = None if low.grad is None else low.grad.float()
-                    low.grad = None
+        for i, master in enumerate(self.master.parameters()):
+            master.grad = self._landed.pop(i, None)
         if self.scaler is not None:
             self.scaler.unscale_(self.optim)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.master.parameters(), max_norm)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.master.parameters(), max_norm, norm_type)
 
     def step(self) -> None:
         _optimizer_step(self.optim, self.scaler)
@@ -292,6 +346,15 @@ class ReplicaTrainer(Trainer):
         if self.scaler is not None:
             flat["(grad scaler):scale"] = torch.as_tensor(self.scaler.get_scale()).float()
         return flat
+
+    def optim_state_dict(self) -> dict[str, torch.Tensor]:
+        state = {
+            n: {
+                k: v.detach().clone() for k, v in self.optim.state.get(p, {}).items() if v.dim() > 0
+            }
+            for n, p in self.master.named_parameters()
+        }
+        return _optimizer_entries({n: s for n, s in state.items() if s})
 
     def state_dict(self):
         sd = {k: v.detach().clone() for k, v in self.master.state_dict().items()}

@@ -22,7 +22,7 @@ import torch
 
 from conformance.adapters import Adapter, Unsupported, get_adapter
 from conformance.adapters.lite import FsdpLiteAdapter
-from conformance.matrix import EXTRA_FEATURES, FEATURES, Case, build_matrix, select
+from conformance.matrix import EXTRA_FEATURES, FEATURES, PRECISIONS, Case, build_matrix, select
 from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,11 +287,14 @@ def test_default_matrix_covers_every_feature_strategy_and_precision():
     )
     assert {c.feature for c in cases} == set(FEATURES)
     assert {c.strategy for c in cases} == {"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"}
-    assert {c.precision for c in cases} == {"fp32", "bf16", "fp16"}
-    assert {"mlp", "lm", "lm_untied", "nested", "convnet", "frozen"} <= {c.model for c in cases}
+    assert {c.precision for c in cases} == set(PRECISIONS)
+    assert {"mlp", "lm", "lm_untied", "nested", "convnet", "frozen", "bufnet", "unused"} <= {
+        c.model for c in cases
+    }
     assert len(set(cases)) == len(cases)
     quick, _ = build_matrix(["fsdp_lite"], {}, 2, quick=True)
-    assert set(quick) < set(cases) and len(quick) <= 25
+    # One case per class of bug the self-test's catalog shows, on top of the loop features.
+    assert set(quick) < set(cases) and len(quick) <= 40
 
 
 def test_extra_strategies_only_for_implementations_that_have_them():

@@ -49,8 +49,10 @@ class WrapRequest:
             module is wrapped too, so its remaining parameters form the root unit.
         group: the process group to shard over (all ranks of the run).
         device: this rank's compute device (cpu, or cuda:LOCAL_RANK under NCCL).
-        param_dtype: None for fp32; otherwise param, reduce and buffer dtype (FSDP1's
-            MixedPrecision(param_dtype=d, reduce_dtype=d, buffer_dtype=d)).
+        param_dtype: None for fp32; otherwise param and buffer dtype, and reduce dtype unless
+            ``reduce_dtype`` says otherwise (FSDP1's MixedPrecision(param_dtype=d,
+            reduce_dtype=reduce_dtype or d, buffer_dtype=d)).
+        reduce_dtype: None (reduce in ``param_dtype``), or the dtype gradients are reduced in.
         backward_prefetch: "default" (the implementation's own default), "BACKWARD_PRE",
             "BACKWARD_POST" or "NONE".
         forward_prefetch: prefetch the next unit's all-gather in forward.
@@ -82,6 +84,12 @@ class WrapRequest:
     optimizer_offload: str | None = None
     scratch_dir: str | None = None
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in under mixed precision (None without it)."""
+        return self.reduce_dtype or self.param_dtype
 
     @property
     def strategy(self) -> str:
@@ -121,6 +129,8 @@ class Adapter:
     Every method runs on every rank, in the same order, so collectives inside them line up.
     Tensors handed back are full (unsharded), detached, and keyed by the parameter names of the
     unwrapped module (``clean_name``); the runner compares them with DDP and a single process.
+    State dicts are the exception: their keys are compared as the implementation saves them,
+    since a checkpoint is loaded by key.
     """
 
     name: ClassVar[str] = "unnamed"  # what --impl selects and reports show
@@ -180,9 +190,12 @@ class Adapter:
         """A context in which backward accumulates gradients without communicating."""
         return model.no_sync()
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip all gradients to a global 2-norm of ``max_norm``; return the norm before clipping."""
-        return model.clip_grad_norm_(max_norm)
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip all gradients to a global ``norm_type``-norm of ``max_norm``; return the norm
+        before clipping. The suite passes ``norm_type`` only when it is not 2."""
+        return model.clip_grad_norm_(max_norm, norm_type)
 
     # ---- full tensors, for comparison ----------------------------------------------------------
 
@@ -212,16 +225,34 @@ class Adapter:
                 state[clean_name(n)] = tensors
         return state
 
+    def full_optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, dict[str, torch.Tensor]] | None:
+        """The optimizer state dict the implementation saves, keyed by parameter name as saved,
+        full tensors; None (the default) when it has none to judge. Unlike ``full_optim_state``
+        this goes through the implementation's own naming code."""
+        return None
+
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The model's full state dict (parameters and buffers, unsharded), keys as unwrapped."""
+        """The model's full state dict (parameters and buffers, unsharded), keys as saved: a
+        wrapper prefix left in a key is the implementation's bug, not cleaned away here."""
         return {
-            clean_name(k): full_tensor(v.detach()).clone()
+            k: full_tensor(v.detach()).clone()
             for k, v in model.state_dict().items()
             if isinstance(v, torch.Tensor)
         }
 
     def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a state dict as ``full_state_dict`` returns it into a freshly wrapped model."""
+        model.load_state_dict(state_dict)
+
+    def sharded_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The state dict ``torch.distributed.checkpoint`` saves and loads in place: each rank's
+        shards (DTensors for a DTensor-based implementation, as ``model.state_dict()`` gives)."""
+        return model.state_dict()
+
+    def load_sharded_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+        """Load what ``torch.distributed.checkpoint.load`` filled into ``sharded_state_dict``."""
         model.load_state_dict(state_dict)
 
 
@@ -234,6 +265,8 @@ class Fsdp1ApiAdapter(Adapter):
     """
 
     api: ClassVar[str]  # holds FullyShardedDataParallel, ShardingStrategy, MixedPrecision, ...
+    # SHARDED_STATE_DICT values as DTensors (True) or the API's default (ShardedTensor in torch)
+    sharded_use_dtensor: ClassVar[bool] = True
 
     def strategies(self) -> list[str]:
         strategy = importlib.import_module(self.api).ShardingStrategy
@@ -251,7 +284,7 @@ class Fsdp1ApiAdapter(Adapter):
         if request.param_dtype is not None:
             dtype = request.param_dtype
             kwargs["mixed_precision"] = api.MixedPrecision(
-                param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype
+                param_dtype=dtype, reduce_dtype=request.grad_reduce_dtype, buffer_dtype=dtype
             )
         if request.optimizer_offload is not None:
             raise Unsupported(f"{self.api}.CPUOffload has no optimizer-only offload")
@@ -288,3 +321,41 @@ class Fsdp1ApiAdapter(Adapter):
         return scaler(
             device=request.device.type, init_scale=init_scale, process_group=request.group
         )
+
+    def _sharded(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        api = importlib.import_module(self.api)
+        return api.FullyShardedDataParallel.state_dict_type(
+            model,
+            api.StateDictType.SHARDED_STATE_DICT,
+            api.ShardedStateDictConfig(_use_dtensor=self.sharded_use_dtensor),
+            api.ShardedOptimStateDictConfig(_use_dtensor=self.sharded_use_dtensor),
+        )
+
+    def sharded_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        with self._sharded(model):
+            return model.state_dict()
+
+    def load_sharded_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+        with self._sharded(model):
+            model.load_state_dict(state_dict)
+
+    def full_optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, dict[str, torch.Tensor]] | None:
+        # FSDP1's optim_state_dict under the default FULL_STATE_DICT: full tensors on every rank.
+        osd = importlib.import_module(self.api).FullyShardedDataParallel.optim_state_dict(
+            model, optim
+        )
+        return _named_tensors(osd)
+
+
+def _named_tensors(osd: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """An optimizer state dict's per-parameter tensors (not scalars such as ``step``), by name."""
+    return {
+        name: {
+            k: full_tensor(v.detach()).clone()
+            for k, v in per.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+        for name, per in osd["state"].items()
+    }

@@ -55,6 +55,22 @@ _FEATURE_REASONS = {
         "DeepSpeed clips inside engine.step() (config gradient_clipping), after the point where "
         "the suite reads the clipped gradients and the norm clip_grad_norm_ returned"
     ),
+    "clip_grad_norm_inf": (
+        "DeepSpeed clips inside engine.step() (config gradient_clipping, a 2-norm), after the "
+        "point where the suite reads the clipped gradients and the norm clip_grad_norm_ returned"
+    ),
+    "accumulate": (
+        "DeepSpeed accumulates by its config (gradient_accumulation_steps): engine.step() "
+        "between micro-batches is no step, and the suite's loop steps once per step"
+    ),
+    "sharded_checkpoint": (
+        "DeepSpeed saves with engine.save_checkpoint (its own per-rank files), not "
+        "torch.distributed.checkpoint: the adapter's round trip already goes through it"
+    ),
+    "checkpoint_outside_unit": (
+        "DeepSpeed's ZeRO-3 hooks fetch parameters per submodule; a checkpoint_wrapper around "
+        "a block is not mapped yet"
+    ),
     "backward_prefetch_pre": _NO_PREFETCH_SWITCH,
     "backward_prefetch_post": _NO_PREFETCH_SWITCH,
     "backward_prefetch_none": _NO_PREFETCH_SWITCH,
@@ -70,6 +86,11 @@ def deepspeed_unsupported_reason(case: Case) -> str | None:
         return (
             "DeepSpeed's fp16 scales the loss inside engine.backward with its own dynamic scaler; "
             "the suite's fp16 loop drives a GradScaler (make_grad_scaler), which DeepSpeed has not"
+        )
+    if case.precision == "bf16r32":
+        return (
+            "the adapter maps only reduce dtype = param dtype (data_types.grad_accum_dtype bf16); "
+            "bf16 params with fp32 reduction is not judged yet"
         )
     if case.feature in _FEATURE_REASONS:
         return _FEATURE_REASONS[case.feature]

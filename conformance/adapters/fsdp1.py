@@ -20,6 +20,9 @@ class TorchFSDP1Adapter(Fsdp1ApiAdapter):
     name = "torch_fsdp1"
     description = "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1), use_orig_params=True"
     api = "torch.distributed.fsdp"
+    # DTensor values need FSDP1 built on a device_mesh ("NoneType has no attribute ndim" from
+    # _create_chunk_dtensor otherwise); ShardedTensor ones save and load through DCP alike.
+    sharded_use_dtensor = False
 
     def wrap(self, model: nn.Module, request: WrapRequest) -> nn.Module:
         if request.cpu_offload and request.device.type == "cpu":
@@ -64,9 +67,10 @@ class TorchFSDP1Adapter(Fsdp1ApiAdapter):
         }
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        # FULL_STATE_DICT (FSDP1's default): unsharded tensors on every rank, original names.
+        # FULL_STATE_DICT (FSDP1's default): unsharded tensors on every rank, original names
+        # (FSDP1 strips its own prefixes, checkpoint_wrapper its own: keys are compared as saved).
         return {
-            clean_name(k): v.detach().clone()
+            k: v.detach().clone()
             for k, v in model.state_dict().items()
             if isinstance(v, torch.Tensor)
         }

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import Adapter, WrapRequest, clean_name, full_tensor
+from conformance.adapters.base import Adapter, WrapRequest, _named_tensors, full_tensor
 from conformance.matrix import Case
 
 __all__ = ["FsdpLiteFSDP2Adapter", "TorchFSDP2Adapter"]
@@ -58,15 +58,19 @@ class TorchFSDP2Adapter(Adapter):
         else:
             mesh = request.mesh
         mp_policy = MixedPrecisionPolicy(
-            param_dtype=request.param_dtype, reduce_dtype=request.param_dtype
+            param_dtype=request.param_dtype, reduce_dtype=request.grad_reduce_dtype
         )
         if request.param_dtype is not None:
             # The case's precision includes buffer_dtype (FSDP1's MixedPrecision); FSDP2's policy
-            # has none, so cast floating-point buffers (e.g. rotary inv_freq) as FSDP1 would.
-            for module in model.modules():
+            # has none, so cast floating-point buffers (e.g. rotary inv_freq) as FSDP1 would, and
+            # save them in their own dtype as FSDP1 does (full_state_dict).
+            saved_dtypes = {}
+            for module_name, module in model.named_modules():
                 for name, buf in module.named_buffers(recurse=False):
                     if buf.is_floating_point():
+                        saved_dtypes[f"{module_name}.{name}" if module_name else name] = buf.dtype
                         module._buffers[name] = buf.to(request.param_dtype)
+            model.__dict__["_conformance_buffer_dtypes"] = saved_dtypes  # per model: per case
         offload_policy = (
             CPUOffloadPolicy(pin_memory=request.device.type == "cuda")
             if request.cpu_offload
@@ -99,15 +103,40 @@ class TorchFSDP2Adapter(Adapter):
         finally:
             model.set_requires_gradient_sync(True)
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
         # Works on DTensor gradients: the norm is reduced over the mesh.
-        return full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        return full_tensor(norm)
+
+    def full_optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, dict[str, torch.Tensor]] | None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+        return _named_tensors(osd)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        return {clean_name(k): v.detach().clone() for k, v in sd.items()}
+        dtypes = model.__dict__.get("_conformance_buffer_dtypes", {})
+        return {k: v.detach().to(dtypes.get(k, v.dtype)).clone() for k, v in sd.items()}
+
+    def sharded_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model)
+
+    def load_sharded_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state_dict)
 
     def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
