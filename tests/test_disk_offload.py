@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_lite import CPUOffload, ShardingStrategy, disk_offload
 from fsdp_lite import FullyShardedDataParallel as FSDP
@@ -355,3 +356,42 @@ def test_a_real_enospc_names_the_file_and_the_bytes(tmp_path):
     assert last.startswith("OSError: [Errno 28] disk offload could not make "), done.stderr[-2000:]
     assert f"bytes) in {mnt}/fsdp_lite-" in last and "No space left on device" in last, last
     assert "bytes are free there" in last, last
+
+
+def _dropped_store_rank(rank: int, world_size: int, base: str) -> list[str]:
+    """A disk-offloaded model dropped without ``disk_offload.close``, collected inside the next
+    model's ``optimizer.step()`` (a collection can run anywhere): the step goes on, and the dropped
+    model's directory is removed."""
+    offload = CPUOffload(offload_params=True, offload_dir=base)
+    first = FSDP(build_model("lm"), auto_wrap_policy=POLICIES["lm"], cpu_offload=offload)
+    first_directory = first._config.disk.directory
+    gc.disable()  # the drop is collected inside the step below, not before
+
+    def collect(*args) -> None:
+        gc.collect()
+
+    # Registered before the next model's hooks, so that torch's loop over the hooks goes on after
+    # this one: the collection frees the dropped model and its store (whose finalizer removed
+    # the store's hooks from that dict, before).
+    collecting = register_optimizer_step_pre_hook(collect)
+    try:
+        cycle = [first]  # only the collector frees it, as any model in a reference cycle
+        cycle.append(cycle)
+        del first, cycle
+        model = FSDP(build_model("lm"), auto_wrap_policy=POLICIES["lm"], cpu_offload=offload)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = rank_batch("lm", 0, rank, world_size)
+        loss_fn("lm", model(x), y).backward()
+        optim.step()
+    finally:
+        collecting.remove()
+        gc.enable()
+    assert not os.path.exists(first_directory), first_directory
+    disk_offload.close(model)
+    return sorted(os.listdir(base))
+
+
+def test_a_dropped_store_collected_inside_an_optimizer_step_leaves_the_step_alone(tmp_path):
+    base = tmp_path / "offload"
+    base.mkdir()
+    run_ranks(_dropped_store_rank, 2, tmp_path, args=(str(base),), timeout=60)

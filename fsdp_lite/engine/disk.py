@@ -189,14 +189,18 @@ class DiskStore:
             os.mkdir(self.directory, 0o700)
         except OSError as e:
             if getattr(self, "_lock", None) is not None:
-                _remove(self.directory, [], self._lock)
+                _remove(self.directory, self._lock)
             raise ValueError(f"CPUOffload.offload_dir {base!r}: cannot create {name}: {e}") from e
         self.params: list[ParamFiles] = []
         self.by_ptr: dict[int, ParamFiles] = {}  # data_ptr of a shard -> its files
         self._next: dict[tuple[int, str], list[ParamFiles]] = {}  # see after_copy_in
         self._last: tuple[int, str] | None = None
         me = weakref.ref(self)
-        handles = [
+        # The hooks hold the store weakly and do nothing once it is gone. Only close() removes
+        # them: the finalizer may run in a collection inside optimizer.step(), while torch
+        # iterates its dict of hooks, where removing one raises ("OrderedDict mutated during
+        # iteration"). So a store dropped without close() leaves two empty hooks behind.
+        self._hooks = [
             register_optimizer_step_pre_hook(
                 lambda optim, args, kwargs: _call(me, "before_step", optim)
             ),
@@ -204,7 +208,7 @@ class DiskStore:
                 lambda optim, args, kwargs: _call(me, "after_step", optim)
             ),
         ]
-        self._finalizer = weakref.finalize(self, _remove, self.directory, handles, self._lock)
+        self._finalizer = weakref.finalize(self, _remove, self.directory, self._lock)
 
     def new_param(self, fqn: str) -> ParamFiles:
         files = ParamFiles(self, fqn)
@@ -224,6 +228,8 @@ class DiskStore:
 
     def close(self) -> None:
         """Remove the directory now (the mapped tensors stay valid until they are freed)."""
+        for handle in self._hooks:
+            handle.remove()
         self._finalizer()
 
     # ---- the step: forward and backward --------------------------------------------------------
@@ -339,9 +345,7 @@ def _call(store_ref: weakref.ref, method: str, optim: torch.optim.Optimizer) -> 
         getattr(store, method)(optim)
 
 
-def _remove(directory: str, handles: list, lock: int | None) -> None:
-    for handle in handles:
-        handle.remove()
+def _remove(directory: str, lock: int | None) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     if lock is not None:  # removed while held: no other process can take it and find the files
         with contextlib.suppress(OSError):
@@ -389,4 +393,4 @@ def _remove_stale_dirs(base: str, host: str) -> None:
             continue  # each lock file names its directory; directories are reached through them
         lock = _take_lock(os.path.join(base, name), create=False)
         if lock is not None:
-            _remove(os.path.join(base, directory), [], lock)
+            _remove(os.path.join(base, directory), lock)
