@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_lite.tools.launch import leave_together
 from scripts import bench
 
 
@@ -82,6 +83,7 @@ def ranks(request) -> Iterator[Ranks]:
                 option("--bench-warmup"),
             )
             bench.broadcast_command(None)
+            leave_together()  # as the followers do after the stop
         finally:
             dist.destroy_process_group()
             torch.set_num_threads(previous_threads)

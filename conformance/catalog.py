@@ -39,10 +39,13 @@ class Bug:
     patches: tuple[Patch, ...]
     first: tuple[str, ...] = ()  # case patterns to run first
     world_size: int = 2
+    impl: str = "fsdp_lite"  # the adapter that runs the matrix: the front the bug is in
 
 
-def _bug(name, bug_class, what, upstream, *patches, first=(), world_size=2) -> Bug:
-    return Bug(name, bug_class, what, upstream, tuple(patches), tuple(first), world_size)
+def _bug(
+    name, bug_class, what, upstream, *patches, first=(), world_size=2, impl="fsdp_lite"
+) -> Bug:
+    return Bug(name, bug_class, what, upstream, tuple(patches), tuple(first), world_size, impl)
 
 
 P = Patch
@@ -124,6 +127,20 @@ CATALOG: tuple[Bug, ...] = (
             "        reduce_dtype = filled[0].dtype  # planted\n",
         ),
         first=("*/bf16r32/*",),
+    ),
+    _bug(
+        "unsynced_grads_in_param_dtype",
+        "dtypes",
+        "FSDP2 front: backwards without gradient sync sum in bf16, not the fp32 reduce dtype",
+        "fsdp_lite issue 23 item 2 (torch FSDP2 sums them in the reduce dtype; "
+        "the rounding was 2.1e-4 on half a gradient's elements)",
+        P(
+            "fronts/fsdp2.py",
+            "    unit.settings.unsynced_grads_in_reduce_dtype = True\n",
+            "    unit.settings.unsynced_grads_in_reduce_dtype = False  # planted\n",
+        ),
+        first=("fsdp_lite_fsdp2/*/bf16r32/no_sync/*",),
+        impl="fsdp_lite_fsdp2",
     ),
     _bug(
         "param_dtype_ignored",

@@ -345,11 +345,32 @@ def run_rank(args: argparse.Namespace) -> int:
             shared = [status]
             dist.broadcast_object_list(shared, src=0)
             status = shared[0]
+        _leave_together()
         # Self-launched ranks exit 0 and the launcher returns the status (a non-zero exit would
         # read as a crash); under torchrun every rank exits with it.
         return 0 if args.status_file else status
     finally:
         dist.destroy_process_group()
+
+
+def _leave_together() -> None:
+    """The last collective: an all-reduce whose tensor this holds until gloo's thread drops it.
+
+    A gloo thread that drops a finished collective's tensor while the interpreter shuts down is
+    ended inside a noexcept destructor: "terminate called without an active exception"
+    (pytorch/pytorch#190489). fsdp_lite.tools.launch.leave_together does the same for fsdp_lite's
+    scripts; this package imports no implementation outside its adapters.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device = "cpu" if "gloo" in dist.get_backend() else torch.accelerator.current_accelerator()
+    token = torch.zeros(1, device=device)
+    dist.all_reduce(token)
+    deadline = time.monotonic() + 10.0
+    while token._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)  # releases the GIL the thread needs
+    time.sleep(0.01)
 
 
 def _compare(args: argparse.Namespace, doc: dict):

@@ -253,6 +253,8 @@ DEFAULT_MATRIX = (
     # A reduce dtype other than the param dtype; a persistent float buffer through a state-dict
     # round trip under buffer_dtype; a parameter no rank uses (its grad must stay None).
     Slice(CORE_STRATEGIES, ("bf16r32",), ("plain",), ("lm_untied", "bufnet")),
+    # ... and backwards without sync under it: FSDP1 sums them in bf16, FSDP2 in fp32.
+    Slice(CORE_STRATEGIES, ("bf16r32",), ("no_sync",), ("lm_untied",)),
     Slice(CORE_STRATEGIES, ("fp32", "bf16"), ("plain",), ("bufnet", "unused")),
     # fp16: an inf in the gradient rows of one rank only; the gradient scaler must agree.
     Slice(CORE_STRATEGIES, ("fp16",), ("plain",), ("spiky",)),
@@ -281,6 +283,7 @@ QUICK_MATRIX = (
     Slice(CORE_STRATEGIES, ("fp32",), ("tied_weights",), ("lm",)),
     Slice(CORE_STRATEGIES, ("fp32",), ("plain",), ("mlp", "nested")),
     Slice(("FULL_SHARD",), ("bf16", "fp16", "bf16r32"), ("plain",), ("lm_untied",)),
+    Slice(("FULL_SHARD",), ("bf16r32",), ("no_sync",), ("lm_untied",)),
     # One case of each other thing the self-test's catalog shows can break on its own (the
     # extra strategies and features only for implementations that have them).
     Slice(EXTRA_STRATEGIES, ("fp32",), ("plain",), ("lm_untied",)),

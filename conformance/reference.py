@@ -88,6 +88,7 @@ def run_reference(
     steps: int,
     device: torch.device,
     group: dist.ProcessGroup,
+    unsynced_in_reduce_dtype: bool = False,
 ) -> ReferenceRun:
     """Train the ``kind`` reference ("ddp" or "single") as ``case`` says and record every stage."""
     model_spec, feature = spec(case.model), FEATURES[case.feature]
@@ -95,7 +96,9 @@ def run_reference(
     rank = dist.get_rank(group) if kind == "ddp" else None
     ddp_group = group if kind == "ddp" else None
     model = prepare_model(model_spec, feature, 0, device, for_impl=False)
-    trainer = ReplicaTrainer(model, model_spec, precision, device, ddp_group)
+    trainer = ReplicaTrainer(
+        model, model_spec, precision, device, ddp_group, unsynced_in_reduce_dtype
+    )
     run = ReferenceRun()
     for step in range(steps):
         record: dict[str, Any] = {}
@@ -107,7 +110,9 @@ def run_reference(
     run.optim_state_dict = trainer.optim_state_dict()
     fresh = prepare_model(model_spec, feature, FRESH_SEED, device, for_impl=False)
     fresh.load_state_dict(run.state_dict)
-    trainer = ReplicaTrainer(fresh, model_spec, precision, device, ddp_group)
+    trainer = ReplicaTrainer(
+        fresh, model_spec, precision, device, ddp_group, unsynced_in_reduce_dtype
+    )
     train_step(
         trainer,
         micro_batches(case, steps, rank, case.world_size),
@@ -124,22 +129,39 @@ class ReferenceCache:
         self._runs: dict[tuple, dict[str, ReferenceRun]] = {}
 
     @staticmethod
-    def key(case: Case, steps: int) -> tuple:
+    def key(case: Case, steps: int, unsynced_in_reduce_dtype: bool = False) -> tuple:
+        feature, precision = FEATURES[case.feature], PRECISIONS[case.precision]
+        # Only backwards without sync under a reduce dtype of its own tell the two apart.
+        unsynced = feature.micro_batches > 1 and not feature.sync_micro_batches
+        in_reduce_dtype = (
+            unsynced and precision.reduce_dtype is not None and unsynced_in_reduce_dtype
+        )
         return (
             case.model,
-            FEATURES[case.feature].reference_key,
+            feature.reference_key,
             case.precision,
             case.world_size,
             steps,
+            in_reduce_dtype,
         )
 
     def get(
-        self, case: Case, steps: int, device: torch.device, group: dist.ProcessGroup
+        self,
+        case: Case,
+        steps: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        unsynced_in_reduce_dtype: bool = False,
     ) -> dict[str, ReferenceRun]:
-        """Both references for ``case``; runs them (collectively, on every rank) on first use."""
-        key = self.key(case, steps)
+        """Both references for ``case``; runs them (collectively, on every rank) on first use.
+
+        ``unsynced_in_reduce_dtype``: the implementation sums backwards without gradient sync in
+        the reduce dtype (``Adapter.unsynced_grads_in_reduce_dtype``); the references do too.
+        """
+        key = self.key(case, steps, unsynced_in_reduce_dtype)
         if key not in self._runs:
             self._runs[key] = {
-                kind: run_reference(kind, case, steps, device, group) for kind in REFERENCES
+                kind: run_reference(kind, case, steps, device, group, key[-1])
+                for kind in REFERENCES
             }
         return self._runs[key]

@@ -252,7 +252,9 @@ class _CaseRun:
         self._stage_done(out.stage)
 
         out.stage = "reference"
-        refs = ctx.references.get(case, self.steps, ctx.device, ctx.group)
+        refs = ctx.references.get(
+            case, self.steps, ctx.device, ctx.group, self.adapter.unsynced_grads_in_reduce_dtype
+        )
         self._stage_done(out.stage)
 
         for step in range(self.steps):

@@ -196,7 +196,13 @@ def _run_group(args, launch, work: Path, group: list[Bug], roots, control: str, 
         results_path = work / f"results-ws{world_size}-{attempt}.jsonl"
         plan = {
             "entries": [
-                {"name": b.name, "bug_class": b.bug_class, "root": roots[b.name], "first": b.first}
+                {
+                    "name": b.name,
+                    "bug_class": b.bug_class,
+                    "root": roots[b.name],
+                    "first": b.first,
+                    "impl": b.impl,
+                }
                 for b in entries
             ],
             "control": control,
@@ -292,16 +298,18 @@ def rank_main(plan_path: str, device) -> None:
         )
         return cases
 
-    references = ReferenceCache()  # the references do not depend on the implementation
+    # The references depend on the implementation only through its adapter's declared semantics
+    # (ReferenceCache.key), not its code.
+    references = ReferenceCache()
     if plan.get("control_cases"):
         # The clean copy on every case that caught something: a failure there is no planted
         # bug's. A launch of its own, so that no entry's aftermath can reach it.
         load_from(plan["control"])
-        adapter = get_adapter("fsdp_lite")
         wanted = set(plan["control_cases"])
+        adapters = [get_adapter(n) for n in sorted({c.partition("/")[0] for c in wanted})]
         control = run_cases(
-            [c for c in matrix(adapter) if c.name in wanted],
-            [adapter],
+            [c for a in adapters for c in matrix(a) if c.name in wanted],
+            adapters,
             steps=plan["steps"],
             device=device,
             timeout_s=plan["timeout"],
@@ -316,7 +324,7 @@ def rank_main(plan_path: str, device) -> None:
     for index, entry in enumerate(entries):
         emit({"event": "start", "name": entry["name"]})
         load_from(entry["root"])
-        adapter = get_adapter("fsdp_lite")
+        adapter = get_adapter(entry.get("impl", "fsdp_lite"))
         cases = order_cases(matrix(adapter), tuple(entry["first"]))
         start = time.perf_counter()
         results = run_cases(

@@ -222,7 +222,9 @@ class ReplicaTrainer(Trainer):
     dtype (float inputs cast too); gradients are reduced in the low dtype (DDP over the copy) and
     cast to fp32 for the step. torch's own DDP mixed precision needs CUDA events, so not used.
     A reduce dtype other than the low dtype (bf16r32) is done by hand: each rank's accumulated
-    gradients, cast to it and divided by N, are all-reduced after the last backward.
+    gradients, cast to it and divided by N, are all-reduced after the last backward. Backwards
+    without sync sum in the low dtype (torch FSDP1's no_sync), or with ``unsynced_in_reduce_dtype``
+    in the reduce dtype (torch FSDP2: the first cast, each later one added in place).
     """
 
     def __init__(
@@ -232,6 +234,7 @@ class ReplicaTrainer(Trainer):
         precision: Precision,
         device: torch.device,
         group: dist.ProcessGroup | None,
+        unsynced_in_reduce_dtype: bool = False,
     ) -> None:
         self.spec, self.device, self.dtype = spec, device, precision.dtype
         self.master = model
@@ -252,6 +255,10 @@ class ReplicaTrainer(Trainer):
             )
         self.optim = make_sgd(self.master.parameters())
         self._local_backward = False  # inside no_sync(): gradients stay local
+        # parameter index -> the unsynced backwards' sum in the reduce dtype (FSDP2's way)
+        self._unsynced: dict[int, torch.Tensor] | None = (
+            {} if unsynced_in_reduce_dtype and reduce_dtype != precision.dtype else None
+        )
         self._landed: dict[int, torch.Tensor] = {}  # parameter index -> this step's gradient
         self.scaler = (
             torch.amp.GradScaler(device.type, init_scale=INIT_SCALE)
@@ -282,7 +289,21 @@ class ReplicaTrainer(Trainer):
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         if not self._local_backward:
             self._land_grads()
+        elif self._unsynced is not None:
+            self._sum_unsynced()
         return loss.detach()
+
+    def _sum_unsynced(self) -> None:
+        """Move this backward's low-precision gradients into the reduce-dtype sums."""
+        with torch.no_grad():
+            for i, low in enumerate(self.compute.parameters()):
+                if low.grad is None:
+                    continue
+                if i in self._unsynced:
+                    self._unsynced[i] += low.grad  # in place: fp32 += bf16, as torch FSDP2
+                else:
+                    self._unsynced[i] = low.grad.to(self.reduce_dtype)
+                low.grad = None
 
     def _land_grads(self) -> None:
         """After a backward that synced: add its (reduced) gradients to the step's, in fp32.
@@ -296,6 +317,12 @@ class ReplicaTrainer(Trainer):
             grads = [low.grad for low in self.compute.parameters()]
             for low in self.compute.parameters():
                 low.grad = None
+            for i, unsynced in (self._unsynced or {}).items():
+                if grads[i] is not None:
+                    unsynced += grads[i]  # in place, as torch FSDP2 adds the synced backward's
+                grads[i] = unsynced
+            if self._unsynced:
+                self._unsynced = {}
             if self.reduce_dtype is not None and self.group is not None:
                 # As FSDP with reduce_dtype: the low-precision gradients are cast, then averaged
                 # over the ranks in the reduce dtype (divided first, as DDP divides).

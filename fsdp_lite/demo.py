@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_lite import FullyShardedDataParallel, ShardingStrategy
 from fsdp_lite.engine.collectives import all_gather_objects
-from fsdp_lite.tools.launch import launch_module
+from fsdp_lite.tools.launch import launch_module, leave_together
 from fsdp_lite.tools.trace import record_collectives
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 
@@ -153,8 +153,7 @@ def run_rank(args: argparse.Namespace) -> None:
         everyone = all_gather_objects({m: dataclasses.asdict(r) for m, r in results.items()})
         if rank == 0:
             say(format_table(everyone, world_size, num_params, args))
-        # Leave together: a rank tearing gloo down while a peer still reads from it can abort.
-        dist.barrier()
+        leave_together()  # every rank, then gloo's threads at rest (tools/launch.py)
     finally:
         dist.destroy_process_group()
 

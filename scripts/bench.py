@@ -54,6 +54,7 @@ from conformance.models import Block, GPTConfig, TinyLM  # noqa: E402
 from fsdp_lite.demo import storage_nbytes  # noqa: E402
 from fsdp_lite.engine import collectives  # noqa: E402
 from fsdp_lite.engine.unit import unit_owners  # noqa: E402
+from fsdp_lite.tools.launch import leave_together  # noqa: E402
 
 MiB = 1024**2
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
@@ -619,6 +620,7 @@ def follow_rank0(rank: int, world_size: int, init_method: str, threads: int) -> 
                 train_step(system, *make_batch(cfg, batch, seed, step, rank))
             del system
             dist.barrier()
+        leave_together()  # after rank 0's stop (benchmarks/conftest.py)
     finally:
         dist.destroy_process_group()
 
@@ -688,7 +690,7 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, plan: list) 
                 say(f"wrote {args.json}")
             if args.plot:
                 plot(report, args.plot)
-        dist.barrier()
+        leave_together()
     finally:
         dist.destroy_process_group()
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdp_lite.engine import collectives  # noqa: E402
+from fsdp_lite.tools.launch import leave_together  # noqa: E402
 
 
 def all_gather(shard: torch.Tensor, transport: collectives.Transport | None) -> torch.Tensor:
@@ -101,6 +102,7 @@ def main() -> None:
                 f"{median:>7.2f} {q1:>7.2f} {q3:>7.2f}"
             )
         print("sends give the same bits as the backend's collectives: checked")
+    leave_together()
     dist.destroy_process_group()
 
 

@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from fsdp_lite import CPUOffload, disk_offload
 from fsdp_lite import FullyShardedDataParallel as FSDP
+from fsdp_lite.tools.launch import leave_together
 from fsdp_lite.wrap import ModuleWrapPolicy
 
 MODES = ("memory", "disk", "disk_unit")
@@ -114,6 +115,7 @@ def rank_main(rank: int, args: argparse.Namespace, mode: str, rendezvous: str, o
     )
     if mode != "memory":
         disk_offload.close(model)  # multiprocessing children skip atexit
+    leave_together()
     dist.destroy_process_group()
     Path(out).write_text(json.dumps(result))
 

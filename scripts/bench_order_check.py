@@ -28,6 +28,7 @@ import bench  # noqa: E402
 
 import fsdp_lite  # noqa: E402
 from fsdp_lite.engine.unit import ShardedUnit  # noqa: E402
+from fsdp_lite.tools.launch import leave_together  # noqa: E402
 
 WARMUP = 4
 
@@ -76,6 +77,7 @@ def main() -> int:
                 f"in waits median {statistics.median(waits) * 1e3:.1f} ms, "
                 f"mean {statistics.mean(waits) * 1e3:.1f} ms"
             )
+    leave_together()
     dist.destroy_process_group()
     return 0
 

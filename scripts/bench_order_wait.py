@@ -19,6 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdp_lite.tools import order  # noqa: E402
+from fsdp_lite.tools.launch import leave_together  # noqa: E402
 
 EXCHANGES = 2000
 
@@ -41,6 +42,7 @@ def main() -> int:
         if rank == 0:
             us = (time.perf_counter() - start) / EXCHANGES * 1e6
             print(f"{mode:<11} {us:7.1f} us per exchange", flush=True)
+    leave_together()
     dist.destroy_process_group()
     return 0
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_lite  # noqa: E402
 from conformance.tp_models import TPBlock, batch, build_tplm, loss_fn, parallelize  # noqa: E402
+from fsdp_lite.tools.launch import leave_together  # noqa: E402
 
 STEPS = 3
 MICROBATCHES = 2
@@ -114,6 +115,7 @@ def main() -> int:
         print(
             f"{'PASS' if worst <= TOLERANCE else 'FAIL'}: worst {worst:.2e} (tolerance {TOLERANCE})"
         )
+    leave_together()
     dist.destroy_process_group()
     return 0 if worst <= TOLERANCE else 1
 

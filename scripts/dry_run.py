@@ -21,6 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from conformance.models import Block, GPTConfig, TinyLM
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite.estimate import estimate
+from fsdp_lite.tools.launch import leave_together
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 
 
@@ -66,6 +67,7 @@ def main() -> None:
         "planner_param_nbytes": plan.param_nbytes,
         "wrap_seconds": round(seconds, 2),
     }
+    leave_together()
     dist.destroy_process_group()
     if args.json:
         print(json.dumps(result))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conformance.models import Block  # noqa: E402
+from fsdp_lite.tools.launch import leave_together  # noqa: E402
 from scripts import bench  # noqa: E402
 
 CFG = bench.model_config(bench.parse_args([]))  # scripts/bench.py's default model
@@ -129,6 +130,7 @@ def main() -> None:
                 f"{n} {statistics.median(v) * 1000:7.1f}" for n, v in times[kind].items()
             )
             print(f"{kind:15s} {cells}")
+    leave_together()
     dist.destroy_process_group()
 
 

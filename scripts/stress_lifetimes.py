@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_lite  # noqa: E402
 from fsdp_lite.engine import collectives  # noqa: E402
+from fsdp_lite.tools.launch import leave_together  # noqa: E402
 
 
 class Blocks(nn.Module):
@@ -153,7 +154,7 @@ def main() -> int:
         print(json.dumps(total), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(total, indent=1) + "\n")
-    dist.barrier()
+    leave_together()
     dist.destroy_process_group()
     return 0
 

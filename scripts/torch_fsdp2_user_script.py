@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from conformance.models import GPTConfig, TinyLM
+from fsdp_lite.tools.launch import leave_together
 
 # Untied: torch 2.13's set_optimizer_state_dict finds no state under the tied head's second name.
 CONFIG = GPTConfig(
@@ -122,7 +123,7 @@ def main(out_path: str, checkpoint_dir: str) -> None:
         sums = {k: v.double().sum().item() for k, v in final.items()}
         with open(out_path, "w") as f:
             json.dump({"losses": losses, "state_sums": sums}, f)
-    dist.barrier()  # leave together: a rank tearing gloo down under a peer's read can abort it
+    leave_together()  # every rank, then gloo's threads at rest (launch.py)
     dist.destroy_process_group()
 
 

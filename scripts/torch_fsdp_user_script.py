@@ -16,6 +16,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from conformance.models import Block, GPTConfig, TinyLM
+from fsdp_lite.tools.launch import leave_together
 
 ACCUMULATION = 2
 
@@ -54,7 +55,7 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(losses, f)
-    dist.barrier()  # leave together: a rank tearing gloo down under a peer's read can abort it
+    leave_together()  # every rank, then gloo's threads at rest (launch.py)
     dist.destroy_process_group()
 
 

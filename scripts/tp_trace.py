@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fsdp_lite  # noqa: E402
 from conformance.tp_models import batch, build_tplm, loss_fn, parallelize  # noqa: E402
 from fsdp_lite.engine.unit import unit_owners  # noqa: E402
+from fsdp_lite.tools.launch import leave_together  # noqa: E402
 from fsdp_lite.trace import CollectiveTrace, explain, plot_timeline, record_collectives  # noqa: E402
 
 
@@ -121,6 +122,7 @@ def main() -> int:
                 title="dp 2 x tp 2: one step (fsdp_lite's collectives; TP's run inside compute)",
             )
             print(f"\nwrote {args.png}")
+    leave_together()
     dist.destroy_process_group()
     return 0
 

@@ -41,7 +41,7 @@ from fsdp_lite import (
 from fsdp_lite.demo import PROCESS_GROUP_TIMEOUT, human_bytes, say
 from fsdp_lite.engine.collectives import all_gather_objects
 from fsdp_lite.estimate import estimate
-from fsdp_lite.tools.launch import launch_module
+from fsdp_lite.tools.launch import launch_module, leave_together
 from fsdp_lite.trace import CollectiveTrace, explain, plot_memory, plot_timeline, record_collectives
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 
@@ -182,7 +182,7 @@ def run_rank(jobs: list[Job], out: Path, steps: int, png: bool) -> None:
     try:
         for job in jobs:
             run_job(job, out, steps, png)
-        dist.barrier()  # leave together: a rank tearing gloo down under a peer can abort it
+        leave_together()  # every rank, then gloo's threads at rest (launch.py)
     finally:
         dist.destroy_process_group()
 

@@ -189,6 +189,8 @@ def _rank_main(
         import torch
         import torch.distributed as dist
 
+        from fsdp_lite.tools.launch import leave_together
+
         # Several ranks share 2 cores: more intra-op threads per rank only oversubscribe them.
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -199,6 +201,7 @@ def _rank_main(
             timeout=pg_timeout,
         )
         result = fn(rank, world_size, *args)
+        leave_together()
         dist.destroy_process_group()
         # Pickle errors surface here, inside the try, and are reported like any other failure.
         conn.send(("ok", result))

@@ -27,7 +27,9 @@ SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD", "fsdp_lite/FULL_SHAR
 # shows torch's bug, pytorch/pytorch#190489: a gloo worker thread (ProcessGroupGloo::runLoop)
 # destroys a finished barrier/all-reduce work whose tensor has a Python object; the decref takes
 # the GIL while Py_FinalizeEx runs, CPython ends the thread (PyThread_exit_thread), and the
-# forced unwind through the noexcept destructor calls std::terminate. Not fsdp_lite's to fix: such a run is repeated once, with a warning.
+# forced unwind through the noexcept destructor calls std::terminate. Not fsdp_lite's to fix;
+# bench.py ends with fsdp_lite.tools.launch.leave_together(), which waits for gloo's thread to drop
+# the last collective's tensor, and a run that aborts all the same is repeated once, with a warning.
 _EXIT_ABORT = "terminate called without an active exception"
 
 

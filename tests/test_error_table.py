@@ -173,6 +173,20 @@ def _fully_shard_twice(c: Ctx) -> None:
     fully_shard(linear)
 
 
+def _fully_shard_scalar_param(c: Ctx) -> None:
+    linear = nn.Linear(4, 4)
+    linear.scale = nn.Parameter(torch.tensor(1.0))
+    fully_shard(linear)
+
+
+def _reset_iter_state_below_the_root(c: Ctx) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    model(torch.randn(2, 4))
+    model[0].reset_iter_state()
+
+
 def _torch_reads_a_state_attribute(c: Ctx) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -204,7 +218,9 @@ def _tp_placement_partial(c: Ctx) -> None:
 
 def _tp_with_hsdp(c: Ctx) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
-    replicas = init_device_mesh("cpu", (dist.get_world_size(), 1))
+    replicas = init_device_mesh(
+        "cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard")
+    )
     fully_shard(_dtensor_module(mesh["tp"], None), mesh=replicas)
 
 
@@ -452,6 +468,15 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "fully_shard_empty_list": lambda c: fully_shard([]),
     "fully_shard_not_a_module": lambda c: fully_shard("blocks"),
     "fully_shard_twice": _fully_shard_twice,
+    "fully_shard_module_list": lambda c: fully_shard(
+        nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    ),
+    "fully_shard_scalar_param": _fully_shard_scalar_param,
+    "mesh_2d_without_names": lambda c: fully_shard(
+        nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 2))
+    ),
+    "mesh_not_a_mesh": lambda c: fully_shard(nn.Linear(4, 4), mesh="cpu"),
+    "reset_iter_state_below_the_root": _reset_iter_state_below_the_root,
     "reshard_after_forward_int": lambda c: fully_shard(nn.Linear(4, 4), reshard_after_forward=3),
     "shard_placement_out_of_range": lambda c: fully_shard(
         nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)

@@ -62,6 +62,11 @@ def _interop_rank(rank: int, world_size: int) -> list[str]:
             model.reshard()
             model.to(torch.device("cpu", 0))  # nn.Module._apply, as Trainer calls it
         model.state_dict()
+        # fully_shard.state(m), ours and torch's lookup alike: one state object per call, fsdp_lite's
+        states = [fsdp_lite.fully_shard.state(m) for m in (model, *model.blocks)]
+        assert states == [torch_fsdp.fully_shard.state(m) for m in (model, *model.blocks)]
+        assert len({id(s) for s in states}) == len(states) and None not in states
+        assert fsdp_lite.fully_shard.state(model.tok) is None  # not a fully_shard call's module
     finally:
         sys.setprofile(None)
     # register_fsdp_forward_method's own wrapper is torch's code calling ours; nothing else.

@@ -242,7 +242,7 @@ def _bad_mesh(case: str) -> str:
             )
         elif case == "fsdp1":
             fsdp_lite.FullyShardedDataParallel(model, device_mesh=mesh["dp"], use_orig_params=True)
-    except (ValueError, NotImplementedError) as e:
+    except (ValueError, NotImplementedError, AssertionError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -253,8 +253,8 @@ BAD_MESHES = {
     "other_mesh": "ValueError: parameter 'attn_norm.weight': its tensor-parallel mesh and the "
     "sharding mesh are not dims of one DeviceMesh",
     "hsdp": "NotImplementedError: parameter 'attn_norm.weight': tensor parallel with HSDP",
-    "shard_dim_out_of_range": "ValueError: shard_placement_fn gave 'attn_norm.weight' "
-    "Shard(dim=1), but it is a 1-D parameter of shape (24,)",
+    "shard_dim_out_of_range": "AssertionError: Shard dim 1 is invalid for 1D tensor: "
+    "torch.Size([24]) (shard_placement_fn gave 'attn_norm.weight' Shard(dim=1))",
     "fsdp1": "NotImplementedError: parameter 'tok.weight' is a DTensor (tensor parallel); "
     "FullyShardedDataParallel does not shard DTensors: use fully_shard(module, mesh=mesh['dp'])",
 }

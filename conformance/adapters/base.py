@@ -135,6 +135,10 @@ class Adapter:
 
     name: ClassVar[str] = "unnamed"  # what --impl selects and reports show
     description: ClassVar[str] = ""
+    # Where backwards without gradient sync sum their gradients when the reduce dtype differs from
+    # the param dtype: in the param dtype (torch FSDP1's no_sync(), False) or in the reduce dtype
+    # (torch FSDP2's set_requires_gradient_sync(False), True). The references do the same.
+    unsynced_grads_in_reduce_dtype: ClassVar[bool] = False
 
     # ---- what this implementation has ---------------------------------------------------------
 

@@ -27,6 +27,7 @@ __all__ = ["FsdpLiteFSDP2Adapter", "TorchFSDP2Adapter"]
 class TorchFSDP2Adapter(Adapter):
     name = "torch_fsdp2"
     description = "torch.distributed.fsdp.fully_shard (FSDP2), per unit and root"
+    unsynced_grads_in_reduce_dtype = True
     # Holds fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy and a
     # sharded_grad_scaler submodule.
     api: ClassVar[str] = "torch.distributed.fsdp"

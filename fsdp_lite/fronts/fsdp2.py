@@ -44,7 +44,7 @@ from fsdp_lite.fronts.construct import (
     check_unit_params,
     params_to_shard,
 )
-from fsdp_lite.fronts.interop import TorchFSDPModule, register_state
+from fsdp_lite.fronts.interop import TorchFSDPModule, register_state, registered_state
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -138,7 +138,10 @@ def fully_shard(
 
     Raises:
         ValueError: an int ``reshard_after_forward`` that does not divide the shard group; a
-            placement that is not a ``Shard`` of one of the parameter's dims.
+            placement that is not a ``Shard``; a ``ModuleList``/``ModuleDict`` (no forward); a
+            scalar parameter; a mesh of 3+ dims.
+        AssertionError: where torch raises it, with its words: a module sharded twice, a
+            ``Shard`` dim the parameter lacks, a 2-D mesh without dim names.
         NotImplementedError: what is not built (uneven ``Shard(dim)`` for dim > 0; an int
             ``reshard_after_forward`` with CPU offload or DTensor parameters), before any
             collective.
@@ -149,8 +152,17 @@ def fully_shard(
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Modules, got {type(m).__name__}")
+        # torch's checks, classes and words (tests and wrappers match them):
         if owns_unit(m):
-            raise ValueError(f"{type(m).__name__} is already sharded (fully_shard called twice)")
+            raise AssertionError(
+                "Each distinct composable distributed API can only be applied to a module once. "
+                f"fully_shard has already been applied to the following module:\n{m}"
+            )
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            # Its forward hooks would never run: nothing calls a container's forward.
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: {m}"
+            )
     # A list is one unit over all its modules' params (e.g. a tied embedding and output head);
     # the ModuleList is only the tree the unit is built from, no module's new parent.
     tree = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
@@ -168,6 +180,12 @@ def fully_shard(
             reshard_after_forward, mesh, offload_policy
         )
     config = _config(tree, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    for name, param in params_to_shard(tree, config):
+        if param.ndim == 0:  # torch's words, with the parameter's own name as torch gives it
+            raise ValueError(
+                "fully_shard doesn't support scalar parameters. "
+                f"Change {name.rpartition('.')[2]} to a 1D tensor with numel equal to 1."
+            )
     shard_dims = _shard_dims(tree, config, shard_placement_fn)
     _move_to_device(tree, config)
     check_tensor_parallel_params(tree, config, "fully_shard")
@@ -206,6 +224,11 @@ def fully_shard(
     return module
 
 
+# torch's ``fully_shard.state(module)``: the state object the call filed on the module (ours:
+# what torch's pipelining reads, _PipelineView), or None where fully_shard was not applied.
+fully_shard.state = registered_state  # type: ignore[attr-defined]
+
+
 def _shard_dims(
     tree: nn.Module,
     config: UnitConfig,
@@ -227,9 +250,9 @@ def _shard_dims(
             )
         dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.ndim:
-            raise ValueError(
-                f"shard_placement_fn gave {name!r} {placement!r}, but it is a {param.ndim}-D "
-                f"parameter of shape {tuple(param.shape)}"
+            raise AssertionError(  # torch's class and words, then which parameter
+                f"Shard dim {placement.dim} is invalid for {param.ndim}D tensor: {param.shape} "
+                f"(shard_placement_fn gave {name!r} {placement!r})"
             )
         shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
         if dim > 0 and shape[dim] % shard_size:
@@ -308,8 +331,12 @@ def _config(
     if mesh is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh must be a 1-D or 2-D (replicate, shard) DeviceMesh, got {mesh!r}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):  # torch's words
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # torch's class and words
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
     device = torch.device(mesh.device_type)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())

@@ -22,7 +22,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-__all__ = ["TorchFSDPModule", "register_state"]
+__all__ = ["TorchFSDPModule", "register_state", "registered_state"]
 
 
 def _state_slot() -> tuple[str, Any] | None:
@@ -46,3 +46,11 @@ def register_state(module: nn.Module, state: object) -> None:
     if _SLOT is not None:
         attr, key = _SLOT
         module.__dict__.setdefault(attr, {})[key] = state
+
+
+def registered_state(module: nn.Module) -> object | None:
+    """What ``register_state`` filed for ``module`` (what torch's lookup returns), or None."""
+    if _SLOT is None:
+        return None
+    attr, key = _SLOT
+    return module.__dict__.get(attr, {}).get(key)

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 
-__all__ = ["launch_module"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["launch_module", "leave_together"]
 
 
 def launch_module(module: str, argv: list[str], nproc: int) -> bool:
@@ -39,3 +43,28 @@ def launch_module(module: str, argv: list[str], nproc: int) -> bool:
         print(f"{module}: a rank failed (its traceback is above)\n{e}", file=sys.stderr)
         return False
     return True
+
+
+def leave_together(group: dist.ProcessGroup | None = None, patience_s: float = 10.0) -> None:
+    """Wait for every rank, then for the backend's threads to let go of that last collective.
+
+    Call it last, just before ``destroy_process_group()``. Two ways a finished job aborts at exit:
+    a rank that tears gloo down while a peer still reads from it, and a backend thread that drops
+    a finished collective's tensor while the interpreter shuts down. Dropping it takes the GIL to
+    release the tensor's Python object; during ``Py_FinalizeEx`` CPython ends such a thread inside
+    a noexcept destructor and the process dies with "terminate called without an active
+    exception" (pytorch/pytorch#190489; a core: benchmarks/results/exit_abort_core_2026-12-02.txt).
+    ``dist.barrier()`` alone is such a collective. So the last one is an all-reduce of a tensor
+    held here, and this returns once torch's use count says the backend has dropped it.
+    """
+    backend = dist.get_backend(group)
+    device = torch.device("cpu")
+    if "gloo" not in backend and torch.accelerator.is_available():
+        device = torch.accelerator.current_accelerator()
+    token = torch.zeros(1, device=device)
+    dist.all_reduce(token, group=group)
+    deadline = time.monotonic() + patience_s
+    # Sleeping releases the GIL the backend thread needs to drop its reference.
+    while token._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.01)  # a thread that has dropped its count may still be waiting for the GIL

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Run one of torch's FSDP2 test files one test at a time: natively, then, where the native run
+# passed, switched to fsdp_lite (scripts/switch_torch_fsdp2_tests.py).
+#   scripts/run_torch_fsdp2_tests.sh DIR FILE [TIMEOUT_S] [PYTEST_K]
+# DIR/native/FILE is torch's test file, put there by hand (never into this repo); the switched copy
+# goes to DIR/switched/FILE. Both runs put scripts/torch_fsdp2_tests_compat on PYTHONPATH (the same
+# harness for both) and this checkout before any installed fsdp_lite. Logs: DIR/logs/MODE/FILE/TEST.log;
+# one line per test and mode in DIR/logs/FILE.tsv (test, mode, outcome, seconds). A test whose
+# native line is already in the TSV is not run natively again.
+set -u
+DIR=$1; FILE=$2; TIMEOUT=${3:-600}; K=${4:-}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-/work/venv/bin/python}
+export PYTHONPATH="$REPO/scripts/torch_fsdp2_tests_compat:$REPO"
+mkdir -p "$DIR/switched" "$DIR/logs/native/$FILE" "$DIR/logs/switched/$FILE"
+"$PY" "$REPO/scripts/switch_torch_fsdp2_tests.py" "$DIR/native/$FILE" -o "$DIR/switched/$FILE"
+TSV="$DIR/logs/$FILE.tsv"; touch "$TSV"
+
+run_one() {  # MODE TEST -> outcome on stdout
+  local MODE=$1 T=$2 NAME=${2#*::} RC OUT START LOG
+  LOG="$DIR/logs/$MODE/$FILE/${NAME//::/.}.log"
+  START=$(date +%s)
+  (cd "$DIR/$MODE" && timeout -k 10 "$TIMEOUT" nice -n 15 "$PY" -m pytest -q -rs -p no:cacheprovider "$T") > "$LOG" 2>&1
+  RC=$?
+  if [ $RC -eq 124 ] || [ $RC -eq 137 ]; then OUT=timeout
+  elif grep -q " passed" "$LOG" && ! grep -q " failed" "$LOG"; then OUT=passed
+  elif grep -q " skipped" "$LOG" && ! grep -qE " (failed|passed)" "$LOG"; then OUT=skipped
+  else OUT=failed; fi
+  printf '%s\t%s\t%s\t%s\n' "$NAME" "$MODE" "$OUT" "$(( $(date +%s) - START ))" >> "$TSV"
+  echo "$OUT"
+}
+
+TESTS=$(cd "$DIR/native" && "$PY" -m pytest --collect-only -q "$FILE" ${K:+-k "$K"} 2>/dev/null | grep '::')
+for T in $TESTS; do
+  NAME=${T#*::}
+  NATIVE=$(awk -F'\t' -v n="$NAME" '$1 == n && $2 == "native" {print $3}' "$TSV" | tail -1)
+  [ -z "$NATIVE" ] && NATIVE=$(run_one native "$T")
+  if [ "$NATIVE" = passed ] && ! awk -F'\t' -v n="$NAME" '$1 == n && $2 == "switched" {f=1} END {exit !f}' "$TSV"; then
+    run_one switched "$T" > /dev/null
+  fi
+  grep -P "^\Q$NAME\E\t" "$TSV" | tail -2
+done

@@ -1,0 +1,323 @@
+"""FSDP2 semantics that torchtitan and torch's own tests rely on, each bitwise torch FSDP2's in the
+same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulation]).
+
+- A ``fully_shard([norm, head])`` group whose head runs after the model's forward, once per
+  sequence chunk with a backward each (torchtitan's default loss), with torchtitan's toggles
+  (``set_reshard_after_forward/backward``, ``set_requires_gradient_sync(recurse=False)``,
+  ``unshard()``, ``reshard()``): 1, 2 and 4 chunks, fp32 and bf16 params with fp32 reduction,
+  with and without micro-batches accumulated, under activation checkpointing.
+- Backwards without gradient sync under bf16 params and fp32 reduction: the FSDP2 front sums them
+  in fp32 as torch FSDP2 does; the FSDP1 front's ``no_sync()`` in bf16 as native FSDP1 does.
+- A step whose forward raises, caught by the loop: the next steps train as torch's do, with or
+  without an explicit ``reset_iter_state()``.
+- An int ``reshard_after_forward`` on a parent of sharded blocks (4 ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor
+
+import fsdp_lite
+from tests.ranks import run_checks, run_ranks
+
+APIS = {"torch": torch_fsdp, "fsdp_lite": fsdp_lite}
+VOCAB, DIM, SEQ = 50, 16, 8
+
+
+class HeadApart(nn.Module):
+    """Embedding, two blocks and a final norm; the head is applied by the caller (the issue's
+    reproduction, torchtitan's ``_skip_lm_head``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.fail_in_block = -1  # a block whose forward raises (a step that fails)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for i, block in enumerate(self.blocks):
+            if i == self.fail_in_block:
+                raise ValueError("planted failure")
+            h = torch.relu(block(h))
+        return self.norm(h)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+    return torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(
+        0, VOCAB, (2, SEQ), generator=g
+    )
+
+
+def _head_apart(api, bf16: bool, checkpointed: bool = False) -> HeadApart:
+    torch.manual_seed(0)
+    model = HeadApart()
+    kw = {}
+    if bf16:
+        kw["mp_policy"] = api.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for i, block in enumerate(model.blocks):
+        if checkpointed:
+            block = model.blocks[i] = checkpoint_wrapper(block)
+        api.fully_shard(block, **kw)
+    # As torchtitan groups them: not resharded after forward, the head runs right after.
+    api.fully_shard([model.norm, model.head], reshard_after_forward=False, **kw)
+    api.fully_shard(model, **kw)
+    return model
+
+
+def _chunked_step(model: HeadApart, x, y, chunks: int, sync: bool) -> None:
+    """torchtitan's ChunkedLossWrapper: the head per chunk with its toggles, then the decoder."""
+    model.set_requires_gradient_sync(sync)
+    h = model(x)
+    length = SEQ // chunks
+    pieces = [c.detach().requires_grad_() for c in torch.split(h, length, dim=1)]
+    head = model.head
+    head.set_reshard_after_forward(False)
+    head.set_reshard_after_backward(False)
+    head.set_requires_gradient_sync(False, recurse=False)
+    head.unshard()
+    grad = torch.zeros(h.shape, dtype=torch.float32)
+    for c, piece in enumerate(pieces):
+        if c == chunks - 1:
+            head.set_requires_gradient_sync(sync, recurse=False)
+        logits = head(piece).float()
+        target = y[:, c * length : (c + 1) * length]
+        (F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1)) / chunks).backward()
+        grad[:, c * length : (c + 1) * length] = piece.grad
+    head.set_reshard_after_forward(True)
+    head.set_reshard_after_backward(True)
+    head.set_requires_gradient_sync(True, recurse=False)
+    head.reshard()
+    model.set_requires_gradient_sync(sync)
+    h.backward(grad.to(h.dtype))
+
+
+def _train_chunked(api, rank, chunks, bf16, micro_batches, checkpointed, steps=3):
+    model = _head_apart(api, bf16, checkpointed)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    record = []
+    for step in range(steps):
+        for micro in range(micro_batches):
+            _chunked_step(model, *_batch(step, micro, rank), chunks, micro == micro_batches - 1)
+        record.append(_step(model, optim))
+    return record
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The step's whole gradients, then the parameters after the optimizer step."""
+    grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+    optim.step()
+    optim.zero_grad()
+    return grads, {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _assert_bitwise(ours, theirs, what: str) -> None:
+    for step, ((grads, params), (tgrads, tparams)) in enumerate(zip(ours, theirs)):
+        for kind, mine, ref in (("grad", grads, tgrads), ("param", params, tparams)):
+            assert mine.keys() == ref.keys(), what
+            for name in ref:
+                torch.testing.assert_close(
+                    mine[name], ref[name], rtol=0, atol=0,
+                    msg=lambda m, n=name, k=kind, s=step: f"{what} step {s} {k} {n}: {m}",
+                )  # fmt: skip
+
+
+CHUNKED = {
+    f"{chunks}_chunks_{'bf16' if bf16 else 'fp32'}_{micro}_micro{'_ac' if ac else ''}": (
+        chunks,
+        bf16,
+        micro,
+        ac,
+    )
+    for chunks, bf16, micro, ac in [
+        *((c, b, m, False) for c in (1, 2, 4) for b in (False, True) for m in (1, 2)),
+        (2, False, 1, True),
+        (2, True, 2, True),
+    ]
+}
+
+
+def _check_chunked(rank: int, world_size: int, case: str) -> None:
+    chunks, bf16, micro, ac = CHUNKED[case]
+    runs = {name: _train_chunked(api, rank, chunks, bf16, micro, ac) for name, api in APIS.items()}
+    _assert_bitwise(runs["fsdp_lite"], runs["torch"], case)
+
+
+def _check_the_issues_reproduction(rank: int, world_size: int) -> None:
+    """The issue's loop as written: the head per chunk, no toggles; 2 and 4 chunks."""
+
+    def train(api, chunks):
+        model = _head_apart(api, bf16=False)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        record = []
+        for step in range(3):
+            x, y = _batch(step, 0, rank)
+            h = model(x)
+            hd = h.detach().requires_grad_()
+            length = SEQ // chunks
+            for c in range(chunks):
+                part = slice(c * length, (c + 1) * length)
+                logits = model.head(hd[:, part]).reshape(-1, VOCAB)
+                (F.cross_entropy(logits, y[:, part].reshape(-1)) / chunks).backward()
+            h.backward(hd.grad)
+            record.append(_step(model, optim))
+        return record
+
+    for chunks in (2, 4):
+        _assert_bitwise(train(fsdp_lite, chunks), train(torch_fsdp, chunks), f"{chunks} chunks")
+
+
+def _check_unsynced_bf16_accumulation_fsdp2(rank: int, world_size: int) -> None:
+    """Four micro-batches, three without gradient sync: torch FSDP2 sums them in fp32."""
+
+    def train(api):
+        model = _head_apart(api, bf16=True)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        record = []
+        for step in range(2):
+            for micro in range(4):
+                model.set_requires_gradient_sync(micro == 3)
+                x, y = _batch(step, micro, rank)
+                logits = model.head(model(x)).float()
+                F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
+            record.append(_step(model, optim))
+        return record
+
+    _assert_bitwise(train(fsdp_lite), train(torch_fsdp), "bf16 params, fp32 reduce, unsynced")
+
+
+def _check_unsynced_bf16_accumulation_fsdp1(rank: int, world_size: int) -> None:
+    """The FSDP1 front's no_sync() under MixedPrecision(bf16, fp32): native FSDP1's sums."""
+
+    def train(fsdp_cls, mp_cls, extra):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM), nn.LayerNorm(DIM))
+        model.append(nn.Linear(DIM, VOCAB))
+        mp = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        wrapped = fsdp_cls(model, mixed_precision=mp, use_orig_params=True, **extra)
+        optim = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+        record = []
+        for step in range(2):
+            for micro in range(4):
+                x, y = _batch(step, micro, rank)
+                context = wrapped.no_sync() if micro < 3 else torch.enable_grad()
+                with context:
+                    logits = wrapped(x).float()
+                    F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
+            # Whole tensors: with use_orig_params a rank's local view may hold none of a param.
+            with fsdp_cls.summon_full_params(wrapped, with_grads=True):
+                grads = {n: p.grad.clone() for n, p in wrapped.named_parameters()}
+            optim.step()
+            optim.zero_grad()
+            with fsdp_cls.summon_full_params(wrapped):
+                record.append(
+                    (grads, {n: p.detach().clone() for n, p in wrapped.named_parameters()})
+                )
+        return record
+
+    native = train(
+        torch_fsdp.FullyShardedDataParallel,
+        torch_fsdp.MixedPrecision,
+        {"device_id": torch.device("cpu")},
+    )
+    ours = train(fsdp_lite.FullyShardedDataParallel, fsdp_lite.MixedPrecision, {})
+    # Native FSDP1's names keep its flat-parameter prefix in neither case with use_orig_params.
+    _assert_bitwise(ours, native, "FSDP1 no_sync, bf16 params, fp32 reduce")
+
+
+def _check_a_failed_forward_is_recovered(rank: int, world_size: int) -> None:
+    """Step 2's forward raises in a block (after the next block's prefetch was issued); the loop
+    catches it; steps 3 and 4 train as torch's, by themselves or after reset_iter_state()."""
+
+    def train(api, explicit_reset):
+        model = _head_apart(api, bf16=False)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        record = []
+        for step in range(4):
+            x, y = _batch(step, 0, rank)
+            model.fail_in_block = 1 if step == 1 else -1
+            try:
+                logits = model.head(model(x))
+            except ValueError:
+                if explicit_reset:
+                    model.reset_iter_state()
+                continue
+            F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
+            record.append(_step(model, optim))
+        return record
+
+    for explicit in (False, True):
+        what = "after reset_iter_state()" if explicit else "by itself"
+        _assert_bitwise(train(fsdp_lite, explicit), train(torch_fsdp, explicit), what)
+
+
+CHECKS = {
+    "the_issues_reproduction": _check_the_issues_reproduction,
+    "unsynced_bf16_fsdp2": _check_unsynced_bf16_accumulation_fsdp2,
+    "unsynced_bf16_fsdp1": _check_unsynced_bf16_accumulation_fsdp1,
+    "failed_forward_recovered": _check_a_failed_forward_is_recovered,
+}
+
+
+def _semantics_rank(rank: int, world_size: int) -> dict[str, str]:
+    failures = run_checks(CHECKS, list(CHECKS), rank, world_size)
+    chunked = {name: (lambda r, w, n=name: _check_chunked(r, w, n)) for name in CHUNKED}
+    failures.update(run_checks(chunked, list(chunked), rank, world_size))
+    return failures
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_semantics_rank, 2, tmp_path_factory.mktemp("semantics"), timeout=300)
+
+
+@pytest.mark.parametrize("check", [*CHECKS, *CHUNKED])
+def test_fsdp2_semantics_are_torchs_bitwise(results, check):
+    for rank, failures in enumerate(results):
+        assert check not in failures, f"rank {rank}:\n{failures[check]}"
+
+
+# ---- 4 ranks -------------------------------------------------------------------------------------
+
+
+class HeadInside(HeadApart):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(super().forward(idx))
+
+
+def _nested_int_reshard_rank(rank: int, world_size: int) -> None:
+    def train(api):
+        torch.manual_seed(0)
+        model = HeadInside()
+        for block in model.blocks:
+            api.fully_shard(block, reshard_after_forward=2)
+        api.fully_shard(model, reshard_after_forward=2)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        record = []
+        for step in range(2):
+            x, y = _batch(step, 0, rank)
+            logits = model(x)
+            F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
+            record.append(_step(model, optim))
+        return record
+
+    _assert_bitwise(train(fsdp_lite), train(torch_fsdp), "reshard_after_forward=2, nested")
+
+
+def test_int_reshard_after_forward_on_a_parent_of_sharded_blocks_at_4_ranks(tmp_path):
+    run_ranks(_nested_int_reshard_rank, 4, tmp_path, timeout=180)
