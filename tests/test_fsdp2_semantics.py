@@ -11,6 +11,7 @@ same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulati
 - A step whose forward raises, caught by the loop: the next steps train as torch's do, with or
   without an explicit ``reset_iter_state()``.
 - An int ``reshard_after_forward`` on a parent of sharded blocks (4 ranks).
+- A ``channels_last`` conv weight, which torch refuses: trained as torch trains a contiguous copy.
 """
 
 from __future__ import annotations
@@ -266,7 +267,33 @@ def _check_a_failed_forward_is_recovered(rank: int, world_size: int) -> None:
         _assert_bitwise(train(fsdp_lite, explicit), train(torch_fsdp, explicit), what)
 
 
+def _check_channels_last_is_trained_as_a_contiguous_copy(rank: int, world_size: int) -> None:
+    """torch refuses a non-contiguous (channels_last) parameter; fsdp_lite shards it as stored
+    contiguous: the same training as torch FSDP2 on the contiguous model (docs/fsdp2.md)."""
+
+    def train(api, memory_format):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(4, 6, 3), nn.ReLU(), nn.Conv2d(6, 2, 3))
+        model = model.to(memory_format=memory_format)
+        for conv in (model[0], model[2]):
+            api.fully_shard(conv)
+        api.fully_shard(model)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        record = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            model(torch.randn(2, 4, 8, 8, generator=g)).square().mean().backward()
+            record.append(_step(model, optim))
+        return record
+
+    with pytest.raises(NotImplementedError, match="non-contiguous parameters"):
+        train(torch_fsdp, torch.channels_last)
+    ours = train(fsdp_lite, torch.channels_last)
+    _assert_bitwise(ours, train(torch_fsdp, torch.contiguous_format), "channels_last conv")
+
+
 CHECKS = {
+    "channels_last_accepted": _check_channels_last_is_trained_as_a_contiguous_copy,
     "the_issues_reproduction": _check_the_issues_reproduction,
     "unsynced_bf16_fsdp2": _check_unsynced_bf16_accumulation_fsdp2,
     "unsynced_bf16_fsdp1": _check_unsynced_bf16_accumulation_fsdp1,
