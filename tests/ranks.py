@@ -52,6 +52,7 @@ def run_ranks(
     timeout: float = 120.0,
     args: tuple = (),
     backend: str = "gloo",
+    in_step: bool = True,
 ) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks, each in its own process.
 
@@ -64,6 +65,9 @@ def run_ranks(
             session starts the forkserver and imports torch: about 3 s). Default 120.
         args: extra positional arguments for `fn`; must pickle.
         backend: the process group's backend; "nccl" for the gpu-marked tests.
+        in_step: True: the ranks' collectives match when fn returns, and they leave through
+            one last collective (fsdp_lite.tools.launch.leave_together); False for a test whose
+            ranks diverge on purpose, where that collective would wait for the timeout.
 
     Returns:
         fn's return values, indexed by rank.
@@ -90,7 +94,17 @@ def run_ranks(
             recv_conn, send_conn = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, args, init_method, pg_timeout, send_conn, backend),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    args,
+                    init_method,
+                    pg_timeout,
+                    send_conn,
+                    backend,
+                    in_step,
+                ),
                 name=f"rank{rank}",
             )
             proc.start()
@@ -182,6 +196,7 @@ def _rank_main(
     pg_timeout: datetime.timedelta,
     conn: Connection,
     backend: str = "gloo",
+    in_step: bool = True,
 ) -> None:
     """Body of one rank: set up, run fn, report exactly one message on conn."""
     faulthandler.register(_DUMP_STACK_SIGNAL, all_threads=True)
@@ -201,7 +216,8 @@ def _rank_main(
             timeout=pg_timeout,
         )
         result = fn(rank, world_size, *args)
-        leave_together()
+        if in_step:
+            leave_together()
         dist.destroy_process_group()
         # Pickle errors surface here, inside the try, and are reported like any other failure.
         conn.send(("ok", result))

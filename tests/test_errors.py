@@ -40,7 +40,9 @@ def _peer_leaves_rank(rank: int, world_size: int, leaves_before: str) -> dict | 
 
 @pytest.mark.parametrize("leaves_before", ["forward", "backward"])
 def test_a_dead_peer_is_reported_with_the_unit_phase_step_and_group(tmp_path, leaves_before):
-    results = run_ranks(_peer_leaves_rank, 2, tmp_path, args=(leaves_before,), timeout=120)
+    results = run_ranks(
+        _peer_leaves_rank, 2, tmp_path, args=(leaves_before,), timeout=120, in_step=False
+    )
     assert results[1] == "left"
     seen = results[0]
     assert isinstance(seen, dict), f"rank 0 saw no collective error: {seen}"

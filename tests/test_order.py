@@ -83,7 +83,9 @@ def _diverging_rank(
 def test_a_unit_skipped_on_one_rank_is_named_on_every_rank_within_seconds(
     tmp_path, front, late_step
 ):
-    results = run_ranks(_diverging_rank, 2, tmp_path, args=(front, False, late_step), timeout=30)
+    results = run_ranks(
+        _diverging_rank, 2, tmp_path, args=(front, False, late_step), timeout=30, in_step=False
+    )
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank} saw no order error"
         assert r["seconds"] < 10, f"rank {rank} took {r['seconds']:.1f} s"
@@ -193,7 +195,7 @@ def _state_dict_on_rank_0_only(rank: int, world_size: int) -> dict:
 
 
 def test_state_dict_on_one_rank_only_is_named_within_seconds(tmp_path):
-    results = run_ranks(_state_dict_on_rank_0_only, 2, tmp_path, timeout=30)
+    results = run_ranks(_state_dict_on_rank_0_only, 2, tmp_path, timeout=30, in_step=False)
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank} saw no order error"
         assert r["seconds"] < 10, f"rank {rank} took {r['seconds']:.1f} s"
