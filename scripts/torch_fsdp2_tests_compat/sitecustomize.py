@@ -44,3 +44,8 @@ if torch.accelerator.device_count() == 0:
         return _orig_run(cls, rank, test_name, file_name, pipe, **kwargs)
 
     _common_fsdp.FSDPTest._run = classmethod(_run)
+
+try:  # on the path only under run_torch_fsdp2_tests.sh --lift-gpu-gates
+    import torch_fsdp2_tests_lift_gpu_gates  # noqa: F401
+except ImportError:
+    pass
