@@ -24,6 +24,7 @@ from fsdp_lite.api import (
 from fsdp_lite.fronts.fsdp1 import FullyShardedDataParallel, FullyShardedModule
 from fsdp_lite.fronts.fsdp2 import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -37,6 +38,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",

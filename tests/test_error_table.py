@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from fsdp_lite import (
     CPUOffload,
+    DataParallelMeshDims,
     OptimStateKeyType,
     ShardingStrategy,
     StateDictType,
@@ -209,6 +210,54 @@ def _dtensor_module(mesh: DeviceMesh, placement) -> nn.Module:
         local = module.weight.to_local()
         module.weight = nn.Parameter(DTensor.from_local(local, mesh, [placement]))
     return module
+
+
+def _spmd_linear(names: tuple[str, ...], placements) -> tuple[DeviceMesh, nn.Module]:
+    """A mesh of ``names`` (world x 1 x ...) and a Linear whose params are DTensors on it."""
+    shape = (dist.get_world_size(), *[1] * (len(names) - 1))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    module = nn.Linear(4, 4, bias=False)
+    module.weight = nn.Parameter(
+        DTensor.from_local(torch.randn(4, 4), mesh, placements, run_check=False)
+    )
+    return mesh, module
+
+
+def _dp_mesh_dims_int_reshard(c: Ctx) -> None:
+    mesh, module = _spmd_linear(("dpi",), [Replicate()])
+    fully_shard(
+        module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dpi"), reshard_after_forward=2
+    )
+
+
+def _dp_mesh_dims_plain_param(c: Ctx) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dpp",))
+    fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dpp"))
+
+
+def _dp_mesh_dims_other_mesh(c: Ctx) -> None:
+    _, module = _spmd_linear(("dpo",), [Replicate()])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dpx",))
+    fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dpx"))
+
+
+def _dp_mesh_dims_sharded_on_dp(c: Ctx) -> None:
+    mesh, module = _spmd_linear(("dps",), [Shard(0)])
+    fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dps"))
+
+
+def _dp_mesh_dims_partial(c: Ctx) -> None:
+    mesh, module = _spmd_linear(("dpq", "tpq"), [Replicate(), Partial()])
+    fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dpq"))
+
+
+def _dp_mesh_dims(names: tuple[str, ...], **dims) -> Callable[[Ctx], None]:
+    def case(c: Ctx) -> None:
+        shape = (dist.get_world_size(), *[1] * (len(names) - 1))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names or None)
+        fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(**dims))
+
+    return case
 
 
 def _tp_placement_partial(c: Ctx) -> None:
@@ -468,6 +517,23 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "fully_shard_empty_list": lambda c: fully_shard([]),
     "fully_shard_not_a_module": lambda c: fully_shard("blocks"),
     "fully_shard_twice": _fully_shard_twice,
+    "dp_mesh_dims_empty": lambda c: DataParallelMeshDims(),
+    "dp_mesh_dims_without_mesh": lambda c: fully_shard(
+        nn.Linear(4, 4), dp_mesh_dims=DataParallelMeshDims(shard="dp")
+    ),
+    "dp_mesh_dims_mesh_without_names": lambda c: fully_shard(
+        nn.Linear(4, 4),
+        mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
+        dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+    ),
+    "dp_mesh_dims_unknown_name": _dp_mesh_dims(("dpu",), shard="fsdp"),
+    "dp_mesh_dims_flattened": _dp_mesh_dims(("dpa", "dpb"), shard=("dpa", "dpb")),
+    "dp_mesh_dims_replicate_only": _dp_mesh_dims(("dpr",), replicate="dpr"),
+    "dp_mesh_dims_int_reshard": _dp_mesh_dims_int_reshard,
+    "dp_mesh_dims_plain_param": _dp_mesh_dims_plain_param,
+    "dp_mesh_dims_other_mesh": _dp_mesh_dims_other_mesh,
+    "dp_mesh_dims_sharded_on_dp": _dp_mesh_dims_sharded_on_dp,
+    "dp_mesh_dims_partial": _dp_mesh_dims_partial,
     "fully_shard_module_list": lambda c: fully_shard(
         nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
     ),

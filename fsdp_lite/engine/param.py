@@ -47,6 +47,16 @@ split_factor=TP's shards of dim 0)``. Gradients arrive as DTensors on the TP mes
 (a replicated LayerNorm weight under sequence parallelism) is reduced over TP first, then its
 local tensor goes into the flat reduction as any gradient.
 
+Note [SPMD mesh parameters]: under ``fully_shard(dp_mesh_dims=...)`` (torch 2.13's SPMD mode) the
+parameters arrive as DTensors on the whole SPMD mesh, ``Replicate()`` on its data-parallel dims and
+tensor parallel's placements on the others; the inputs are DTensors sharded on the batch. It is
+the TP case above with the TP mesh replaced by the whole mesh (``SpmdLayout``): the local tensor is
+sharded over the shard dim's group; ``unsharded_param`` is a DTensor on the whole mesh with the
+original placements; ``sharded_param`` has Shard(d) (or ``_StridedShard`` where later mesh dims
+cut dim d too) on the shard dim and Replicate on HSDP's replica dim, as torch lays it out; a
+gradient keeps its placements (Partial) on the data-parallel dims, whose reduction is the flat
+one, and only its other dims are redistributed to the parameter's placements, as torch does.
+
 Note [Shard dim]: ``fully_shard(shard_placement_fn=...)`` may shard a parameter on a dim d other
 than 0 (``Shard(1)`` for torchtitan's MoE experts). As in torch FSDP2, d > 0 must divide evenly
 (no padding). This rank's shard is then its chunk of dim d, stored contiguous in its own shape
@@ -87,6 +97,7 @@ __all__ = [
     "ReplicatedCopyParam",
     "ReplicatedParam",
     "ShardedParam",
+    "SpmdLayout",
     "TensorParallel",
     "alloc_storage",
     "free_storage",
@@ -133,15 +144,87 @@ def alloc_storage(tensor: torch.Tensor, nbytes: int) -> None:
 
 
 @dataclass(frozen=True)
-class TensorParallel:
-    """The TP layout of a parameter that arrived as a DTensor (Note [Tensor parallel parameters])."""
+class SpmdLayout:
+    """``fully_shard(dp_mesh_dims=...)``: the whole SPMD mesh and its data-parallel dims (Note
+    [SPMD mesh parameters])."""
 
-    mesh: DeviceMesh  # the TP mesh of the original DTensor
+    mesh: DeviceMesh
+    shard_dim: int  # the mesh dim FSDP shards over
+    replicate_dim: int | None  # HSDP's replica dim, or None
+
+    @property
+    def dp_dims(self) -> frozenset[int]:
+        return frozenset(d for d in (self.shard_dim, self.replicate_dim) if d is not None)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The TP layout of a parameter that arrived as a DTensor (Note [Tensor parallel parameters]),
+    or one on an SPMD mesh (Note [SPMD mesh parameters])."""
+
+    mesh: DeviceMesh  # the mesh of the original DTensor: TP's, or the whole SPMD mesh
     placements: tuple[Placement, ...]  # its placements there
     shape: torch.Size  # its global shape
     stride: tuple[int, ...]  # its global stride
     sharded_mesh: DeviceMesh  # (dp, tp): the data-parallel mesh's dims, then the TP mesh's
     sharded_placements: tuple[Placement, ...]  # (dp placement, *placements)
+    dp_dims: frozenset[int] = frozenset()  # dims of ``mesh`` the flat reduction reduces over
+
+    @staticmethod
+    def check_spmd(param: torch.Tensor, fqn: str, spmd: SpmdLayout) -> None:
+        """Raise, with torch's classes and words, unless ``param`` is a DTensor on ``spmd.mesh``
+        replicated on its data-parallel dims; local, no collective."""
+        if not isinstance(param, DTensor):
+            raise ValueError(
+                "When dp_mesh_dims is provided, all parameters must be DTensors on the full "
+                "SPMD mesh (e.g. via distribute_module). Got plain tensor for parameter "
+                f"'{fqn}'."
+            )
+        if param.device_mesh is not spmd.mesh:
+            raise ValueError(
+                "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but "
+                f"got different mesh objects (parameter {fqn!r})"
+            )
+        names = spmd.mesh.mesh_dim_names
+        for idx, kind in ((spmd.shard_dim, "shard"), (spmd.replicate_dim, "replicate")):
+            if idx is not None and not isinstance(param.placements[idx], Replicate):
+                raise ValueError(
+                    f"Expected Replicate() on DP {kind} dim '{names[idx]}' (index {idx}) but "
+                    f"got {param.placements[idx]}"
+                )
+        if not all(type(pl) in (Shard, Replicate) for pl in param.placements):
+            raise NotImplementedError(
+                f"parameter {fqn!r} has placements {param.placements}; only Shard and Replicate "
+                "on the non-data-parallel dims are built"
+            )
+
+    @classmethod
+    def of_spmd(
+        cls, param: DTensor, fqn: str, spmd: SpmdLayout, shard_dim: int = 0
+    ) -> TensorParallel:
+        """The layout of ``param`` sharded on ``shard_dim`` over ``spmd``'s shard dim (raises
+        as ``check_spmd``)."""
+        TensorParallel.check_spmd(param, fqn, spmd)
+        mesh, placements = spmd.mesh, tuple(param.placements)
+        # torch's split factor: the later mesh dims that cut the same tensor dim.
+        split = math.prod(
+            mesh.size(j)
+            for j in range(spmd.shard_dim + 1, mesh.ndim)
+            if isinstance(placements[j], Shard) and placements[j].dim == shard_dim
+        )
+        sharded = list(placements)
+        sharded[spmd.shard_dim] = (
+            _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+        )
+        return cls(
+            mesh=mesh,
+            placements=placements,
+            shape=param.size(),
+            stride=param.stride(),
+            sharded_mesh=mesh,
+            sharded_placements=tuple(sharded),
+            dp_dims=spmd.dp_dims,
+        )
 
     @staticmethod
     def check(param: DTensor, fqn: str, dp_mesh: DeviceMesh | None) -> None:
@@ -342,6 +425,7 @@ class ShardedParam(Param):
         unsharded_buffer: torch.Tensor | None = None,
         disk: DiskStore | None = None,
         shard_dim: int = 0,
+        spmd: SpmdLayout | None = None,
     ) -> None:
         if orig_param.dim() == 0:
             raise NotImplementedError(
@@ -349,7 +433,9 @@ class ShardedParam(Param):
             )
         super().__init__(orig_param, locations, fqn, mesh, rank, world_size)
         self.shard_dim = shard_dim
-        if isinstance(orig_param, DTensor):  # Note [Tensor parallel parameters]
+        if spmd is not None:  # Note [SPMD mesh parameters]
+            self.tp = TensorParallel.of_spmd(orig_param, fqn, spmd, shard_dim)
+        elif isinstance(orig_param, DTensor):  # Note [Tensor parallel parameters]
             self.tp = TensorParallel.of(orig_param, fqn, mesh, shard_dim)
         local = orig_param._local_tensor if self.tp is not None else orig_param
         self.orig_size = local.size()  # the TP-local shape for a DTensor
@@ -408,11 +494,10 @@ class ShardedParam(Param):
         its rows of the shard dim after tensor parallel's cut (Note [Tensor parallel parameters])."""
         box = [(0, size) for size in (self.tp.shape if self.tp is not None else self.orig_size)]
         if self.tp is not None:
-            tp_rank = self.tp.mesh.get_local_rank()
-            for pl in self.tp.placements:
+            for i, pl in enumerate(self.tp.placements):  # one TP dim cuts a tensor dim
                 if isinstance(pl, Shard):
-                    chunk = -(-self.tp.shape[pl.dim] // self.tp.mesh.size())
-                    start = min(tp_rank * chunk, self.tp.shape[pl.dim])
+                    chunk = -(-self.tp.shape[pl.dim] // self.tp.mesh.size(i))
+                    start = min(self.tp.mesh.get_local_rank(i) * chunk, self.tp.shape[pl.dim])
                     box[pl.dim] = (start, start + self.orig_size[pl.dim])
         d = self.shard_dim
         first = box[d][0] + self.rank * self.shard_rows
@@ -424,8 +509,13 @@ class ShardedParam(Param):
         parameter, the local tensor of the gradient in the parameter's placements."""
         if grad is None or self.tp is None:
             return grad
-        if tuple(grad.placements) != self.tp.placements:
-            grad = grad.redistribute(placements=self.tp.placements)  # e.g. Partial -> Replicate
+        # The data-parallel dims (an SPMD mesh's) keep theirs: the flat reduction is theirs.
+        target = tuple(
+            grad.placements[i] if i in self.tp.dp_dims else pl
+            for i, pl in enumerate(self.tp.placements)
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)  # e.g. Partial -> Replicate
         return grad._local_tensor
 
     def _to_dtensor(self, local_flat: torch.Tensor) -> DTensor:
@@ -756,6 +846,7 @@ def new_param(
     unsharded_buffer: torch.Tensor | None = None,
     disk: DiskStore | None = None,
     shard_dim: int = 0,
+    spmd: SpmdLayout | None = None,
 ) -> Param:
     """The kind of ``orig_param`` the strategy and its dtypes and devices call for (Note
     [Parameter kinds]), built: the one place the kind is chosen."""
@@ -769,6 +860,7 @@ def new_param(
             unsharded_buffer=unsharded_buffer,
             disk=disk,
             shard_dim=shard_dim,
+            spmd=spmd,
         )
     compute = compute_device or orig_param.device
     storage = storage_device or compute

@@ -37,7 +37,7 @@ from fsdp_lite.engine.mixed_precision import (
     resolve,
 )
 from fsdp_lite.engine.offload import with_local
-from fsdp_lite.engine.param import Param, TensorParallel, new_param, padded_numel
+from fsdp_lite.engine.param import Param, SpmdLayout, TensorParallel, new_param, padded_numel
 from fsdp_lite.engine.unit import ShardedUnit, UnitSettings, owns_unit
 from fsdp_lite.names import clean_name
 from fsdp_lite.tools import order
@@ -65,6 +65,7 @@ class UnitConfig:
     ignored_params: frozenset[nn.Parameter]
     ignored_modules: frozenset[nn.Module]
     precision: Precision
+    spmd: SpmdLayout | None = None  # fully_shard(dp_mesh_dims=...): params on the whole mesh
 
 
 def _check_type(name: str, value: Any, types: type | tuple, allow_none: bool = True) -> None:
@@ -467,6 +468,9 @@ def check_tensor_parallel_params(module: nn.Module, config: UnitConfig, front: s
     """Raise, before any collective, for DTensor parameters this unit cannot take: any under
     the FSDP1 front; under ``fully_shard``, a layout ``param.TensorParallel.check`` refuses."""
     for name, param in params_to_shard(module, config):
+        if config.spmd is not None:  # every parameter a DTensor on the SPMD mesh
+            TensorParallel.check_spmd(param, name, config.spmd)
+            continue
         if not isinstance(param, DTensor):
             continue
         if front != "fully_shard":
@@ -650,6 +654,7 @@ def _build_unit(
             unsharded_buffer=buffers.get(p),
             disk=config.disk,
             shard_dim=dim_of.get(names[p], 0),
+            spmd=config.spmd,
         )
         for p in ordered
     ]

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_lite.api import STRATEGY_RULES, BackwardPrefetch, ShardingStrategy, as_ours
 from fsdp_lite.engine import offload
 from fsdp_lite.engine.mixed_precision import Precision, cast_floating
+from fsdp_lite.engine.param import SpmdLayout
 from fsdp_lite.engine.runtime import (
     eager,
     lazy_init,
@@ -48,6 +49,7 @@ from fsdp_lite.fronts.interop import TorchFSDPModule, register_state, registered
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -69,6 +71,36 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which dims of a whole SPMD mesh are data parallel, for ``fully_shard(dp_mesh_dims=...)``
+    (torch's meaning): ``shard``, the dim FSDP shards over; ``replicate``, HSDP's replica dim.
+
+    torch also takes tuples of names (flattened into one dim); fsdp_lite takes one name each.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:  # torch's words
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims"
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
 
 
 @dataclass(frozen=True)
@@ -112,6 +144,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> FSDPModule:
     """Shard ``module``'s parameters (those not already in a sharded submodule) across ``mesh``.
 
@@ -131,6 +164,9 @@ def fully_shard(
         mp_policy: a ``MixedPrecisionPolicy``.
         offload_policy: ``OffloadPolicy()`` (default) or ``CPUOffloadPolicy()``.
         ignored_params: parameters left alone: not sharded, not reduced.
+        dp_mesh_dims: ``mesh`` is then the whole SPMD mesh, the parameters DTensors on it
+            replicated on these dims (param.py Note [SPMD mesh parameters]): FSDP shards over
+            ``shard`` and, with ``replicate``, replicates over it (HSDP). One name each.
 
     Returns:
         ``module`` itself, its class now ``FSDP<Orig>`` (an ``FSDPModule`` and an ``Orig``); for
@@ -173,6 +209,13 @@ def fully_shard(
         offload_policy, CPUOffloadPolicy if cpu else OffloadPolicy, "offload_policy"
     )
     _check_reshard_after_forward(reshard_after_forward, allow_int=True)
+    spmd = None
+    if dp_mesh_dims is not None:
+        mesh, spmd = _spmd_mesh(mesh, as_ours(dp_mesh_dims, DataParallelMeshDims, "dp_mesh_dims"))
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(  # torch's words
+                "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
+            )
     smaller_group = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         mesh = _config(tree, mesh, True, mp_policy, offload_policy, ignored_params).mesh
@@ -180,6 +223,8 @@ def fully_shard(
             reshard_after_forward, mesh, offload_policy
         )
     config = _config(tree, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    if spmd is not None:
+        config = dataclasses.replace(config, spmd=spmd)
     for name, param in params_to_shard(tree, config):
         if param.ndim == 0:  # torch's words, with the parameter's own name as torch gives it
             raise ValueError(
@@ -375,6 +420,37 @@ def _config(
             cast_forward_inputs=mp_policy.cast_forward_inputs,
         ),
     )
+
+
+def _spmd_mesh(
+    mesh: DeviceMesh | None, dims: DataParallelMeshDims
+) -> tuple[DeviceMesh, SpmdLayout]:
+    """The data-parallel mesh ``_config`` takes (the shard dim's, or (replicate, shard) for HSDP)
+    and the layout of the whole mesh; torch's checks and words first. No collective."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"dp_mesh_dims needs mesh, the whole SPMD DeviceMesh; got {mesh!r}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    if len(dims.shard_names) > 1 or len(dims.replicate_names) > 1:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dims}: several mesh dims flattened into one is not built; "
+            "name one shard dim and at most one replicate dim"
+        )
+    if not dims.shard_names:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dims}: replicate only (DDP over the mesh) is not built; name a shard dim"
+        )
+    shard = names.index(dims.shard_names[0])
+    replicate = names.index(dims.replicate_names[0]) if dims.replicate_names else None
+    if replicate is None:
+        dp_mesh = mesh[names[shard]]
+    else:
+        dp_mesh = DeviceMesh._concatenate([mesh[names[replicate]], mesh[names[shard]]])
+    return dp_mesh, SpmdLayout(mesh, shard, replicate)
 
 
 def _leave_uninitialized(module: nn.Module) -> None:
