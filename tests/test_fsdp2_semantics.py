@@ -12,9 +12,14 @@ same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulati
   without an explicit ``reset_iter_state()``.
 - An int ``reshard_after_forward`` on a parent of sharded blocks (4 ranks).
 - A ``channels_last`` conv weight, which torch refuses: trained as torch trains a contiguous copy.
+- Dataclass, nested-dataclass and NamedTuple activations between units; a first forward inside
+  ``torch.func.jvp`` (both found by torch's own mixed-precision tests, docs/fsdp2.md).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -292,7 +297,112 @@ def _check_channels_last_is_trained_as_a_contiguous_copy(rank: int, world_size: 
     _assert_bitwise(ours, train(torch_fsdp, torch.contiguous_format), "channels_last conv")
 
 
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class Nested:
+    inner: Pair
+    z: torch.Tensor
+
+
+class PairT(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def _wrap(kind: str, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None):
+    if kind == "nested":
+        return Nested(Pair(x, y), z)
+    return Pair(x, y) if kind == "dataclass" else PairT(x, y)
+
+
+def _parts(c) -> list[torch.Tensor]:
+    return [c.inner.x, c.inner.y, c.z] if isinstance(c, Nested) else [c.x, c.y]
+
+
+class ToStructure(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor):
+        return _wrap(self.kind, x, x.clone(), x.clone())
+
+
+class StructuredLinear(nn.Module):
+    """A Linear applied to every tensor of the structure it gets; returns the same structure."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(DIM, DIM)
+
+    def forward(self, c):
+        parts = [self.lin(t) for t in _parts(c)]
+        return _wrap(self.kind, *parts, *([None] * (3 - len(parts))))
+
+
+def _check_structured_activations(rank: int, world_size: int) -> None:
+    """Dataclasses, nested dataclasses and NamedTuples of activations between sharded modules,
+    fp32 and bf16 params / fp32 reduce: torch FSDP2 walks them for its backward hooks and casts
+    (engine/structures.py); a dataclass was one opaque leaf here, its backward found no params."""
+
+    def train(api, kind, bf16):
+        torch.manual_seed(0)
+        model = nn.Sequential(ToStructure(kind), StructuredLinear(kind), StructuredLinear(kind))
+        mp = api.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+        )
+        for block in (model[1], model[2]):
+            api.fully_shard(block, mp_policy=mp)
+        api.fully_shard(model, mp_policy=mp)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        record = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            sum(
+                t.float().square().mean() for t in _parts(model(torch.randn(2, DIM, generator=g)))
+            ).backward()
+            record.append(_step(model, optim))
+        return record
+
+    for kind in ("dataclass", "nested", "namedtuple"):
+        for bf16 in (False, True):
+            what = f"{kind} activations, {'bf16/fp32' if bf16 else 'fp32'}"
+            _assert_bitwise(train(fsdp_lite, kind, bf16), train(torch_fsdp, kind, bf16), what)
+
+
+def _check_first_forward_inside_jvp(rank: int, world_size: int) -> None:
+    """A unit's first forward (its all-gather) inside torch.func.jvp: torch FSDP2 sets the
+    transforms aside around unshard and reshard; so does the unit (unit.py outside_functorch)."""
+
+    def run(api, bf16):
+        torch.manual_seed(0)
+        lin = nn.Linear(DIM, 4, bias=False)
+        mp = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+        api.fully_shard(lin, reshard_after_forward=not bf16, mp_policy=mp)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(DIM, generator=g).to(dtype)
+        primal, tangent = (
+            torch.randn(4, generator=g).to(dtype),
+            torch.randn(4, generator=g).to(dtype),
+        )
+        return torch.func.jvp(lambda unused: lin(x), (primal,), (tangent,))
+
+    for bf16 in (False, True):
+        ours, theirs = run(fsdp_lite, bf16), run(torch_fsdp, bf16)
+        for mine, ref in zip(ours, theirs):
+            torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+
+
 CHECKS = {
+    "structured_activations": _check_structured_activations,
+    "first_forward_inside_jvp": _check_first_forward_inside_jvp,
     "channels_last_accepted": _check_channels_last_is_trained_as_a_contiguous_copy,
     "the_issues_reproduction": _check_the_issues_reproduction,
     "unsynced_bf16_fsdp2": _check_unsynced_bf16_accumulation_fsdp2,

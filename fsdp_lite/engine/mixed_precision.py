@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from fsdp_lite.api import MixedPrecision
+from fsdp_lite.engine.structures import map_tensors
 
 __all__ = ["Precision", "cast_floating", "cast_buffers", "keep_in_full_precision", "resolve"]
 
@@ -59,7 +59,7 @@ def cast_floating(dtype: torch.dtype | None, value):
             return x.to(dtype)
         return x
 
-    return tree_map(cast, value)
+    return map_tensors(cast, value)
 
 
 def cast_buffers(

@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_lite.api import BackwardPrefetch
 from fsdp_lite.engine.param import Param
 from fsdp_lite.engine.streams import SideStreams, side_streams
+from fsdp_lite.engine.structures import grad_tensors
 from fsdp_lite.engine.unit import (
     PendingReduce,
     ShardedState,
@@ -347,10 +348,8 @@ class StepRuntime:
 
     def register_pre_backward(self, unit: ShardedUnit, output) -> None:
         """Run ``pre_backward(unit)`` when the first gradient of ``output``'s tensors arrives."""
-        tensors, _ = tree_flatten(output)
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
+        for t in grad_tensors(output):  # dataclasses too, as torch FSDP2 (structures.py)
+            t.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
 
     def pre_backward(self, unit: ShardedUnit) -> None:
         rec = self.record(unit)

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -93,6 +94,24 @@ __all__ = [
     "owns_unit",
     "unit_owners",
 ]
+
+
+def outside_functorch(method: Callable) -> Callable:
+    """Run ``method`` with torch.func's transforms set aside, when any is active.
+
+    A unit's first forward may run inside ``torch.func.jvp`` (or vmap, grad): its buffers and
+    collectives are plain tensors the transforms must not wrap (a wrapped buffer has no storage
+    for the collectives to write). torch FSDP2 sets them aside around the same three steps.
+    """
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return run
 
 
 def owns_unit(module: nn.Module) -> bool:
@@ -492,6 +511,7 @@ class ShardedUnit:
         # local tensor's; copies into sharded_flat (writeback, loads) bump only the flat's.
         return [(p.sharded_param._version, p.sharded_flat._version) for p in self.params]
 
+    @outside_functorch
     def unshard(self, phase: str, async_op: bool = False) -> None:
         """Start filling the unsharded params (one all-gather; NO_SHARD: local copies);
         ``wait_for_unshard`` finishes it. ``async_op``: a prefetch, queued on the all-gather
@@ -546,6 +566,7 @@ class ShardedUnit:
                 )
         self._gather = _PendingGather(result, op, side is not None, from_post_forward)
 
+    @outside_functorch
     def wait_for_unshard(self) -> None:
         """Land the all-gather in flight, if any: copy out the unsharded params, point the
         modules at them."""
@@ -577,6 +598,7 @@ class ShardedUnit:
             for p, target in zip(self.params, targets):
                 p.copy_out_gathered(target)
 
+    @outside_functorch
     def reshard(self, after_forward: bool = False) -> None:
         """Point the modules at the shards and free the unsharded params (ZeRO-1 keeps them).
         ``after_forward``: backward follows; with a post-forward group this rank keeps its

@@ -23,6 +23,7 @@ if not hasattr(_common_utils, "HardwareClassification"):
 
     class HardwareClassification(enum.Enum):
         GENERIC = "generic"
+        ACCELERATOR = "accelerator"
 
     _common_utils.HardwareClassification = HardwareClassification
 
