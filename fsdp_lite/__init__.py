@@ -32,6 +32,7 @@ from fsdp_lite.fronts.fsdp2 import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from fsdp_lite.muon import Muon
 from fsdp_lite.tools.order import set_collective_order_check
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "LocalStateDictConfig",
     "MixedPrecision",
     "MixedPrecisionPolicy",
+    "Muon",
     "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_lite import (
     CPUOffload,
@@ -39,6 +40,7 @@ from fsdp_lite import (
     FullyShardedDataParallel as FSDP,
 )
 from fsdp_lite.estimate import estimate
+from fsdp_lite.muon import Muon
 from fsdp_lite.wrap import CustomPolicy, ModuleWrapPolicy, enable_wrap, wrap
 from tests.parity import build_model
 from tests.ranks import run_ranks
@@ -258,6 +260,15 @@ def _dp_mesh_dims(names: tuple[str, ...], **dims) -> Callable[[Ctx], None]:
         fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(**dims))
 
     return case
+
+
+def _muon_strided_shard(c: Ctx) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dpm",))
+    weight = nn.Parameter(
+        DTensor.from_local(torch.randn(4, 4), mesh, [_StridedShard(0, split_factor=2)])
+    )
+    weight.grad = torch.zeros_like(weight)
+    Muon([weight]).step()
 
 
 def _tp_placement_partial(c: Ctx) -> None:
@@ -517,6 +528,7 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "fully_shard_empty_list": lambda c: fully_shard([]),
     "fully_shard_not_a_module": lambda c: fully_shard("blocks"),
     "fully_shard_twice": _fully_shard_twice,
+    "muon_strided_shard": _muon_strided_shard,
     "dp_mesh_dims_empty": lambda c: DataParallelMeshDims(),
     "dp_mesh_dims_without_mesh": lambda c: fully_shard(
         nn.Linear(4, 4), dp_mesh_dims=DataParallelMeshDims(shard="dp")
