@@ -262,6 +262,12 @@ def _dp_mesh_dims(names: tuple[str, ...], **dims) -> Callable[[Ctx], None]:
     return case
 
 
+def _all_gather_extension(c: Ctx) -> None:
+    linear = nn.Linear(4, 4)
+    linear.weight.fsdp_pre_all_gather = lambda *args: None  # as a float8 tensor subclass has
+    fully_shard(linear)
+
+
 def _muon_strided_shard(c: Ctx) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dpm",))
     weight = nn.Parameter(
@@ -529,6 +535,7 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "fully_shard_not_a_module": lambda c: fully_shard("blocks"),
     "fully_shard_twice": _fully_shard_twice,
     "muon_strided_shard": _muon_strided_shard,
+    "all_gather_extension": _all_gather_extension,
     "dp_mesh_dims_empty": lambda c: DataParallelMeshDims(),
     "dp_mesh_dims_without_mesh": lambda c: fully_shard(
         nn.Linear(4, 4), dp_mesh_dims=DataParallelMeshDims(shard="dp")

@@ -400,7 +400,21 @@ def _check_first_forward_inside_jvp(rank: int, world_size: int) -> None:
             torch.testing.assert_close(mine, ref, rtol=0, atol=0)
 
 
+def _check_all_gather_extension_is_refused(rank: int, world_size: int) -> None:
+    """torch FSDP2 calls a shard's fsdp_pre/post_all_gather (float8's extension); fsdp_lite does
+    not, so it refuses at the next all-gather, before the collective, rather than gather the plain
+    data (torch's test_all_gather_extensions_monkey_patch pattern)."""
+    linear = nn.Linear(DIM, DIM, bias=False)
+    fsdp_lite.fully_shard(linear)
+    local = linear.weight._local_tensor
+    local.fsdp_pre_all_gather = lambda *args, **kwargs: ((local,), None)
+    with pytest.raises(NotImplementedError, match="defines fsdp_pre_all_gather"):
+        linear(torch.randn(2, DIM))
+    linear.reset_iter_state()
+
+
 CHECKS = {
+    "all_gather_extension_refused": _check_all_gather_extension_is_refused,
     "structured_activations": _check_structured_activations,
     "first_forward_inside_jvp": _check_first_forward_inside_jvp,
     "channels_last_accepted": _check_channels_last_is_trained_as_a_contiguous_copy,

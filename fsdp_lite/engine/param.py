@@ -98,6 +98,7 @@ __all__ = [
     "ReplicatedParam",
     "ShardedParam",
     "SpmdLayout",
+    "refuse_all_gather_extension",
     "TensorParallel",
     "alloc_storage",
     "free_storage",
@@ -287,6 +288,19 @@ class TensorParallel:
             sharded_mesh=DeviceMesh._concatenate([dp_mesh, tp_mesh]),
             sharded_placements=(dp_placement, *param.placements),
         )
+
+
+def refuse_all_gather_extension(tensor: torch.Tensor, fqn: str) -> None:
+    """Raise if ``tensor`` (a parameter, or a shard's local tensor) carries torch FSDP2's
+    all-gather extension, which fsdp_lite does not call: gathering its plain data instead would
+    train something else than torch does (float8 and other tensor subclasses use it)."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    for hook in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
+        if hasattr(local, hook):
+            raise NotImplementedError(
+                f"parameter {fqn!r} ({type(local).__name__}) defines {hook}, torch FSDP2's "
+                "all-gather extension; fsdp_lite does not call it: not built"
+            )
 
 
 class Param:

@@ -77,7 +77,7 @@ from fsdp_lite.engine import collectives, offload
 from fsdp_lite.engine.collectives import AllGatherResult, ReduceResult
 from fsdp_lite.engine.mixed_precision import Precision
 from fsdp_lite.engine.observe import Collective, Observer
-from fsdp_lite.engine.param import Param
+from fsdp_lite.engine.param import Param, refuse_all_gather_extension
 from fsdp_lite.engine.streams import SideStreams
 
 __all__ = [
@@ -520,6 +520,8 @@ class ShardedUnit:
         if self.state == ShardedState.SHARDED and self._holds_fresh_copy():
             self._to_unsharded()  # ZeRO-1 between steps with unchanged shards: nothing to move
         elif self.needs_unshard():
+            for p in self.params:  # torch looks for it at each all-gather (set after wrapping)
+                refuse_all_gather_extension(p.sharded_param, p.fqn)
             self._fill_unsharded(phase, async_op)
 
     def _fill_locally(self, phase: str, async_op: bool) -> None:

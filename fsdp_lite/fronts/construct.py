@@ -37,7 +37,14 @@ from fsdp_lite.engine.mixed_precision import (
     resolve,
 )
 from fsdp_lite.engine.offload import with_local
-from fsdp_lite.engine.param import Param, SpmdLayout, TensorParallel, new_param, padded_numel
+from fsdp_lite.engine.param import (
+    Param,
+    SpmdLayout,
+    TensorParallel,
+    new_param,
+    padded_numel,
+    refuse_all_gather_extension,
+)
 from fsdp_lite.engine.unit import ShardedUnit, UnitSettings, owns_unit
 from fsdp_lite.names import clean_name
 from fsdp_lite.tools import order
@@ -490,6 +497,7 @@ def check_unit_params(module: nn.Module, config: UnitConfig, front: str) -> None
     common parent is the first unit that can see both (see Note [A parameter in two units])."""
     dtypes: dict[torch.dtype, str] = {}  # first parameter of each dtype
     for name, param in params_to_shard(module, config):
+        refuse_all_gather_extension(param, name)
         dtypes.setdefault(param.dtype, name)
     if len(dtypes) > 1:
         (first, first_name), (other, other_name) = list(dtypes.items())[:2]
