@@ -46,6 +46,24 @@ if torch.accelerator.device_count() == 0:
 
     _common_fsdp.FSDPTest._run = classmethod(_run)
 
+    # The same for FSDPTestContinuous (one process group for a class's tests), whose _init_pg
+    # checks the device count before init_process_group.
+    _orig_init_pg = _common_fsdp.FSDPTestContinuous._init_pg.__func__
+
+    def _init_pg(cls, rank, world_size, rdvz_file):
+        real_count, real_init = torch.accelerator.device_count, dist.init_process_group
+
+        def init_process_group(*args, **kw):
+            torch.accelerator.device_count = real_count
+            dist.init_process_group = real_init
+            return real_init(*args, **kw)
+
+        torch.accelerator.device_count = lambda: 1 << 20
+        dist.init_process_group = init_process_group
+        return _orig_init_pg(cls, rank, world_size, rdvz_file)
+
+    _common_fsdp.FSDPTestContinuous._init_pg = classmethod(_init_pg)
+
 try:  # on the path only under run_torch_fsdp2_tests.sh --lift-gpu-gates
     import torch_fsdp2_tests_lift_gpu_gates  # noqa: F401
 except ImportError:
