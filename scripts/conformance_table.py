@@ -21,6 +21,10 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.self_test_table import write_between_markers  # noqa: E402
+
 BEGIN, END = "<!-- implementations table begin -->", "<!-- implementations table end -->"
 IMPLS = ["fsdp_lite", "fsdp_lite_fsdp2", "torch_fsdp1", "torch_fsdp2"]
 
@@ -51,15 +55,6 @@ def table(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_between_markers(path: Path, text: str) -> None:
-    doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from", dest="report", metavar="JSON", help="a report to read instead")
@@ -77,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(command, check=False)
     text = table(json.loads(path.read_text()))
     if args.write:
-        write_between_markers(Path(args.write), text)
+        write_between_markers(Path(args.write), text, BEGIN, END)
     print(text)
     return 0
 

@@ -64,13 +64,14 @@ def table(default: dict, quick: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_between_markers(path: Path, text: str) -> None:
+def write_between_markers(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace what lies between the markers ``begin`` and ``end`` of ``path`` with ``text``."""
     doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{path} has no {begin} ... {end} markers")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:

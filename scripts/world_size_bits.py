@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import sys
@@ -159,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         for world in worlds:
             out = os.path.join(scratch, f"ws{world}.pt")
             print(f"world size {world}: {len(SYSTEMS)} systems, {args.steps} steps", flush=True)
-            launch = functools.partial(launch_module, "scripts.world_size_bits")
-            if not launch(["--rank-run", str(args.steps), out], world):
+            if not launch_module(
+                "scripts.world_size_bits", ["--rank-run", str(args.steps), out], world
+            ):
                 return 1
             runs[world] = torch.load(out, weights_only=True)
     table = compare(runs, args.steps)

@@ -40,7 +40,7 @@ def _model() -> nn.Module:
     )
 
 
-def _train(api, mesh, dims: dict, batch_placements, tp_dim: int | None, bf16: bool, rank: int):
+def _train(api, mesh, dims: dict, batch_placements, tp_dim: int | None, bf16: bool):
     model = _model()
 
     def placements(name, module, device_mesh):  # Replicate on dp dims; TP on tp_dim
@@ -77,10 +77,9 @@ def _train(api, mesh, dims: dict, batch_placements, tp_dim: int | None, bf16: bo
     return record
 
 
-def _check(mesh, dims, batch_placements, tp_dim, bf16, rank):
+def _check(mesh, dims, batch_placements, tp_dim, bf16):
     runs = {
-        name: _train(api, mesh, dims, batch_placements, tp_dim, bf16, rank)
-        for name, api in APIS.items()
+        name: _train(api, mesh, dims, batch_placements, tp_dim, bf16) for name, api in APIS.items()
     }
     for step, (ours, theirs) in enumerate(zip(runs["fsdp_lite"], runs["torch"])):
         for kind, mine, ref in zip(("grad", "param"), ours, theirs):
@@ -96,7 +95,7 @@ def _check(mesh, dims, batch_placements, tp_dim, bf16, rank):
 def _shard_only(bf16: bool):
     def check(rank: int, world_size: int) -> None:
         mesh = _mesh((world_size,), ("dp",))
-        _check(mesh, {"shard": "dp"}, [Shard(0)], None, bf16, rank)
+        _check(mesh, {"shard": "dp"}, [Shard(0)], None, bf16)
 
     return check
 
@@ -106,12 +105,12 @@ CHECKS_2 = {"shard_fp32": _shard_only(False), "shard_bf16_fp32": _shard_only(Tru
 
 def _hsdp(rank: int, world_size: int) -> None:
     mesh = _mesh((2, 2), ("rep", "shard"))
-    _check(mesh, {"shard": "shard", "replicate": "rep"}, [Shard(0), Shard(0)], None, False, rank)
+    _check(mesh, {"shard": "shard", "replicate": "rep"}, [Shard(0), Shard(0)], None, False)
 
 
 def _with_tp(rank: int, world_size: int) -> None:
     mesh = _mesh((2, 2), ("dp", "tp"))
-    _check(mesh, {"shard": "dp"}, [Shard(0), Replicate()], 1, False, rank)
+    _check(mesh, {"shard": "dp"}, [Shard(0), Replicate()], 1, False)
 
 
 CHECKS_4 = {"shard_replicate": _hsdp, "shard_tp": _with_tp}

@@ -314,7 +314,7 @@ class PairT(NamedTuple):
     y: torch.Tensor
 
 
-def _wrap(kind: str, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None):
+def _wrap(kind: str, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None = None):
     if kind == "nested":
         return Nested(Pair(x, y), z)
     return Pair(x, y) if kind == "dataclass" else PairT(x, y)
@@ -342,7 +342,7 @@ class StructuredLinear(nn.Module):
 
     def forward(self, c):
         parts = [self.lin(t) for t in _parts(c)]
-        return _wrap(self.kind, *parts, *([None] * (3 - len(parts))))
+        return _wrap(self.kind, *parts)
 
 
 def _check_structured_activations(rank: int, world_size: int) -> None:

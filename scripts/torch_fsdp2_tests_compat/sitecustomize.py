@@ -28,41 +28,34 @@ if not hasattr(_common_utils, "HardwareClassification"):
     _common_utils.HardwareClassification = HardwareClassification
 
 if torch.accelerator.device_count() == 0:
+    import functools
+
     import torch.testing._internal.common_fsdp as _common_fsdp
 
-    _orig_run = _common_fsdp.FSDPTest._run.__func__
+    def _enough_devices_until_init(setup):
+        """``setup`` (a classmethod's function) sees "enough" devices until it reaches
+        init_process_group; the real count is back from there on."""
 
-    def _run(cls, rank, test_name, file_name, pipe, **kwargs):
-        real_count, real_init = torch.accelerator.device_count, dist.init_process_group
+        @functools.wraps(setup)
+        def run(cls, *args, **kwargs):
+            real_count, real_init = torch.accelerator.device_count, dist.init_process_group
 
-        def init_process_group(*args, **kw):
-            torch.accelerator.device_count = real_count
-            dist.init_process_group = real_init
-            return real_init(*args, **kw)
+            def init_process_group(*a, **kw):
+                torch.accelerator.device_count = real_count
+                dist.init_process_group = real_init
+                return real_init(*a, **kw)
 
-        torch.accelerator.device_count = lambda: 1 << 20
-        dist.init_process_group = init_process_group
-        return _orig_run(cls, rank, test_name, file_name, pipe, **kwargs)
+            torch.accelerator.device_count = lambda: 1 << 20
+            dist.init_process_group = init_process_group
+            return setup(cls, *args, **kwargs)
 
-    _common_fsdp.FSDPTest._run = classmethod(_run)
+        return classmethod(run)
 
-    # The same for FSDPTestContinuous (one process group for a class's tests), whose _init_pg
-    # checks the device count before init_process_group.
-    _orig_init_pg = _common_fsdp.FSDPTestContinuous._init_pg.__func__
-
-    def _init_pg(cls, rank, world_size, rdvz_file):
-        real_count, real_init = torch.accelerator.device_count, dist.init_process_group
-
-        def init_process_group(*args, **kw):
-            torch.accelerator.device_count = real_count
-            dist.init_process_group = real_init
-            return real_init(*args, **kw)
-
-        torch.accelerator.device_count = lambda: 1 << 20
-        dist.init_process_group = init_process_group
-        return _orig_init_pg(cls, rank, world_size, rdvz_file)
-
-    _common_fsdp.FSDPTestContinuous._init_pg = classmethod(_init_pg)
+    # FSDPTest._run per test; FSDPTestContinuous._init_pg once for a class's tests.
+    _common_fsdp.FSDPTest._run = _enough_devices_until_init(_common_fsdp.FSDPTest._run.__func__)
+    _common_fsdp.FSDPTestContinuous._init_pg = _enough_devices_until_init(
+        _common_fsdp.FSDPTestContinuous._init_pg.__func__
+    )
 
 try:  # on the path only under run_torch_fsdp2_tests.sh --lift-gpu-gates
     import torch_fsdp2_tests_lift_gpu_gates  # noqa: F401
