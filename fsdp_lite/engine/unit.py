@@ -38,7 +38,11 @@ hold the 1/N ``sharded_param`` shards, as under every strategy, so an optimizer 
 optimizer state. The step changes the shards in place, which bumps their version counters; the next
 forward sees the counters moved and all-gathers into the kept unsharded params, or, if nothing
 moved, points the modules back at them with no collective. Any in-place change to the shards (a
-loaded state dict, a manual edit under no_grad) is picked up the same way, with no optimizer hook.
+loaded state dict, a manual edit under no_grad) is picked up the same way. An optimizer step is
+not: torch 2.13's foreach and fused optimizers update a DTensor in place without moving any
+version counter (measured: AdamW(foreach=True), the default on accelerators, left both counters
+at 0 and trained on stale params), so every optimizer step also marks the kept copies stale, through
+torch's global step hook (``_forget_kept_copies``).
 
 Note [Unsynced accumulation]: backwards without gradient sync (``no_sync``,
 ``set_requires_gradient_sync(False)``) leave their gradients on the unsharded params, and the next
@@ -63,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -71,6 +76,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_lite.api import BackwardPrefetch, Rules
 from fsdp_lite.engine import collectives, offload
@@ -332,6 +338,18 @@ def _reduction(rules: Rules, replicate_group: dist.ProcessGroup | None) -> Reduc
     return HybridReduceScatter() if replicate_group is not None else ReduceScatter()
 
 
+# Units holding kept unsharded params (Note [ZeRO-1]); any optimizer step makes them stale.
+_KEEPING: weakref.WeakSet[ShardedUnit] = weakref.WeakSet()
+_STEP_HOOK: list = []  # the one global hook, registered with the first unit that keeps a copy
+
+
+def _forget_kept_copies(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's optimizer step post-hook: the next unshard of every keeping unit gathers again."""
+    for unit in list(_KEEPING):
+        unit._gathered_versions = None
+    _KEEPING.clear()
+
+
 class ShardedUnit:
     """The parameters of one wrapped module (or of one ``fully_shard([...])`` group); lives as
     long as its wrapper."""
@@ -439,7 +457,7 @@ class ShardedUnit:
         elif self.state == ShardedState.UNSHARDED and self._gathered_versions is None:
             # Unsharded params gathered before count as kept: a later unshard with unchanged
             # shards reuses them.
-            self._gathered_versions = self._versions()
+            self._remember_versions()
 
     def reshard_to_smaller_group(self, group: dist.ProcessGroup) -> None:
         """After forward, keep 1/len(group) of the gathered params instead of 1/N, and gather
@@ -506,6 +524,12 @@ class ShardedUnit:
         """ZeRO-1: the kept unsharded params still equal the shards (Note [ZeRO-1])."""
         return self._gathered_versions is not None and self._gathered_versions == self._versions()
 
+    def _remember_versions(self) -> None:
+        self._gathered_versions = self._versions()
+        _KEEPING.add(self)
+        if not _STEP_HOOK:
+            _STEP_HOOK.append(register_optimizer_step_post_hook(_forget_kept_copies))
+
     def _versions(self) -> list[tuple[int, int]]:
         # In-place ops on the DTensor (the optimizer's) bump its own version counter, not its
         # local tensor's; copies into sharded_flat (writeback, loads) bump only the flat's.
@@ -554,7 +578,7 @@ class ShardedUnit:
                     offload.to_device(p.sharded_flat, self.compute_device) for p in self.params
                 ]
                 collectives.all_gather_copy_in(shards, all_gather_input)
-                self._gathered_versions = self._versions()  # what a kept copy will equal
+                self._remember_versions()  # what a kept copy will equal
                 offload.after_copy_in(self.params, phase)
             op = self._issue("all_gather", phase, all_gather_input, group)
             with collectives.failing_as(op):

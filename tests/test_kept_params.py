@@ -1,0 +1,76 @@
+"""SHARD_OPTIM keeps its unsharded params between steps and gathers again only when the shards
+changed (Note [ZeRO-1] in engine/unit.py). torch's foreach and fused optimizers change a DTensor in
+place without moving a version counter; every optimizer implementation must still train bitwise as
+DDP does at 2 ranks (3 steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fsdp_lite import FullyShardedDataParallel as FSDP
+from fsdp_lite import ShardingStrategy
+from tests.parity import POLICIES, build_model, local, loss_fn, rank_batch, shard_of
+from tests.ranks import run_checks, run_ranks
+
+OPTIMIZERS = {
+    "sgd_foreach": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True),
+    "adamw_for_loop": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+}
+
+
+def _params_after_training(kind: str, make_optim, rank: int, world_size: int) -> list:
+    torch.manual_seed(0)
+    model = build_model("mlp")
+    if kind == "ddp":
+        model = DDP(model)
+    else:
+        model = FSDP(
+            model,
+            sharding_strategy=ShardingStrategy.SHARD_OPTIM,
+            auto_wrap_policy=POLICIES["mlp"],
+            use_orig_params=True,
+        )
+    optim = make_optim(model.parameters())
+    for step in range(3):
+        x, y = rank_batch("mlp", step, rank, world_size)
+        loss_fn("mlp", model(x), y).backward()
+        optim.step()
+        optim.zero_grad()
+    if kind == "ddp":
+        return [shard_of(p.detach(), rank, world_size) for p in model.parameters()]
+    return [local(p).detach().clone() for p in model.parameters()]
+
+
+def _check(name: str):
+    def check(rank: int, world_size: int) -> None:
+        ddp = _params_after_training("ddp", OPTIMIZERS[name], rank, world_size)
+        ours = _params_after_training("fsdp", OPTIMIZERS[name], rank, world_size)
+        assert len(ours) == len(ddp)
+        for i, (mine, ref) in enumerate(zip(ours, ddp)):
+            torch.testing.assert_close(
+                mine, ref, rtol=0, atol=0, msg=lambda m, i=i: f"param {i}: {m}"
+            )
+
+    return check
+
+
+CHECKS = {name: _check(name) for name in OPTIMIZERS}
+
+
+def _rank(rank: int, world_size: int) -> dict[str, str]:
+    return run_checks(CHECKS, list(CHECKS), rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_rank, 2, tmp_path_factory.mktemp("kept"), timeout=180)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_shard_optim_with_every_optimizer_implementation_is_ddp(results, name):
+    for rank, failures in enumerate(results):
+        assert name not in failures, f"rank {rank}:\n{failures[name]}"
