@@ -21,6 +21,7 @@ from fsdp_lite.api import (
     StateDictSettings,
     StateDictType,
 )
+from fsdp_lite.canonical import Canonical
 from fsdp_lite.fronts.fsdp1 import FullyShardedDataParallel, FullyShardedModule
 from fsdp_lite.fronts.fsdp2 import (
     CPUOffloadPolicy,
@@ -39,6 +40,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "Canonical",
     "DataParallelMeshDims",
     "FSDPModule",
     "FullOptimStateDictConfig",

@@ -33,6 +33,7 @@ __all__ = [
     "all_gather_copy_in",
     "all_gather_copy_out",
     "all_reduce",
+    "all_to_all",
     "failing_as",
     "grad_divide_factors",
     "reduce_scatter",
@@ -343,6 +344,22 @@ def all_reduce(
     """
     work = dist.all_reduce(flat_grads, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return ReduceResult(flat_grads, flat_grads, [work] if async_op else [])
+
+
+def all_to_all(
+    rank_major: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> ReduceResult:
+    """Send row r of ``rank_major`` (N equal rows) to rank r; ``wait()`` returns the N rows this
+    rank received, row r from rank r: the inputs of a reduce-scatter, not yet summed, so that
+    the caller sums them in an order of its choosing (canonical.py).
+
+    2 ranks: rank 0 [1, 2, 3, 4], rank 1 [5, 6, 7, 8] -> rank 0 [1, 2, 5, 6], rank 1 [3, 4, 7, 8].
+    """
+    if dist.get_world_size(group) == 1:
+        return ReduceResult(rank_major, rank_major)
+    output = torch.empty_like(rank_major)
+    work = dist.all_to_all_single(output, rank_major, group=group, async_op=async_op)
+    return ReduceResult(output, rank_major, [work] if async_op else [])
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:

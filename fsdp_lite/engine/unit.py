@@ -79,7 +79,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_lite.api import BackwardPrefetch, Rules
-from fsdp_lite.engine import collectives, offload
+from fsdp_lite.engine import canonical, collectives, offload
 from fsdp_lite.engine.collectives import AllGatherResult, ReduceResult
 from fsdp_lite.engine.mixed_precision import Precision
 from fsdp_lite.engine.observe import Collective, Observer
@@ -270,6 +270,12 @@ class Reduction:
         unit._land(output, pending)
         return None
 
+    def divide_factors(self, unit: ShardedUnit) -> tuple[float, float]:
+        """What the gradients are divided by before the collective and after it."""
+        if unit.settings.gradient_divide_factor is not None:  # set_gradient_divide_factor
+            return 1.0, unit.settings.gradient_divide_factor  # the plain sum, one division
+        return unit._divide_factors
+
 
 class ReduceScatter(Reduction):
     """Sharded gradients: each rank gets the sum of its rows (ZeRO-2, ZeRO-3)."""
@@ -329,6 +335,82 @@ class AllReduce(Reduction):
 
     def land(self, p, piece, keep_dtype):
         p.land_whole(piece, keep_dtype)
+
+
+class CanonicalReduction(Reduction):
+    """The world-size-invariant mode (engine/canonical.py, docs/invariance.md): each rank gets
+    the N ranks' rows of its piece unsummed (an all-to-all, the bytes of a reduce-scatter) and
+    sums them in rank order as a subtree of the fixed tree; the step's V/N block sums climb the
+    same tree (``TreeSum``); the root, divided by V (exact: a power of two), lands once the
+    step's last micro-batch is in. ``base`` says which piece each rank keeps: its rows
+    (``ReduceScatter``) or, through an all-gather of the summed chunks, everything
+    (``AllReduce``: NO_SHARD, ZeRO-1)."""
+
+    kind = "all_to_all"
+
+    def __init__(self, base: Reduction, virtual_batches: int, world_size: int) -> None:
+        self.base = base
+        self.virtual_batches = virtual_batches
+        self.world_size = world_size
+        self.tree = canonical.TreeSum(virtual_batches // world_size)  # this rank's block sums
+        # Gradients landed on parameters autograd accumulates into (plain NO_SHARD's): a
+        # backward must not find one there (Note [Canonical leaves]).
+        self.landed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+    def piece_numel(self, p: Param) -> int:
+        return self.base.piece_numel(p)
+
+    def pack(self, unit, grads, had_grad, dtype):
+        # Note [Canonical leaves]: each backward's gradient must be one leaf. Where autograd
+        # accumulates into the parameter itself (plain NO_SHARD: forward runs on it), the
+        # gradient is taken off once packed, or the next micro-batch's would add to it; and one
+        # landed last step and not zeroed would be summed into this step's first leaf.
+        for p in unit.trainable:
+            if p.unsharded_param is p.sharded_param and p.sharded_param.grad is not None:
+                if p.sharded_param.grad in self.landed:
+                    raise RuntimeError(
+                        f"unit {unit.name or '<root>'!r}: {p.fqn!r} still holds the last step's "
+                        "gradient; in the canonical reduction mode call optimizer.zero_grad() "
+                        "(set_to_none, its default) between steps"
+                    )
+        buffer = self.base.pack(unit, grads, had_grad, dtype)
+        for p in unit.trainable:
+            if p.unsharded_param is p.sharded_param:
+                p.sharded_param.grad = None
+        pad = -buffer.numel() % self.world_size  # AllReduce's buffer: N equal chunks
+        return torch.cat([buffer, buffer.new_zeros(pad)]) if pad else buffer
+
+    def issue(self, unit, buffer):
+        return collectives.all_to_all(buffer, unit.group, async_op=True)
+
+    def land(self, p, piece, keep_dtype):
+        self.base.land(p, piece, keep_dtype)
+        if p.unsharded_param is p.sharded_param:
+            self.landed.add(p.sharded_param.grad)
+
+    def divide_factors(self, unit: ShardedUnit) -> tuple[float, float]:
+        post = unit.settings.gradient_divide_factor
+        return 1.0, float(self.virtual_batches) if post is None else post
+
+    def finish(self, unit, pending, output):
+        block = canonical.tree_sum(output.view(self.world_size, -1).unbind(0))
+        if isinstance(self.base, AllReduce):
+            block = self._gather_chunks(unit, block, pending)
+        step_sum = self.tree.push(block)  # a new tensor, or (N = 1) the packed buffer: ours
+        if step_sum is not None:
+            # Some leaves may lack a gradient this rank's did not: read the counts.
+            unit._land(step_sum, dataclasses.replace(pending, had_every_grad=False))
+        return None
+
+    def _gather_chunks(self, unit, chunk, pending) -> torch.Tensor:
+        """AllReduce's base: every rank's summed chunk, concatenated, without the padding."""
+        if self.world_size == 1:
+            return chunk
+        op = unit._issue("all_gather", "backward", chunk)
+        with collectives.failing_as(op):
+            result = collectives.all_gather(chunk, unit.group, async_op=True)
+        numel = sum(p.numel for p in unit.trainable) + len(unit.trainable)  # AllReduce.pack's
+        return unit._wait(op, result)[:numel]
 
 
 def _reduction(rules: Rules, replicate_group: dist.ProcessGroup | None) -> Reduction:
@@ -478,6 +560,21 @@ class ShardedUnit:
             collectives.Transport.choose(group, self.compute_device),
             slice(first, first + per),  # this rank's rows to keep
         )
+
+    def use_canonical(self, virtual_batches: int) -> None:
+        """Reduce in the world-size-invariant tree of ``virtual_batches`` leaves per step
+        (``CanonicalReduction``); called before the first backward, on every rank."""
+        if self.replicate_group is not None:
+            raise NotImplementedError(
+                "the canonical reduction mode does not cover HYBRID_SHARD yet "
+                "(the all-reduce across replicas is not in the tree)"
+            )
+        base = (
+            self.reduction.base
+            if isinstance(self.reduction, CanonicalReduction)
+            else self.reduction
+        )
+        self.reduction = CanonicalReduction(base, virtual_batches, self.world_size)
 
     def after_apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """``nn.Module._apply(fn)`` ran and the shards were taken back
@@ -641,6 +738,13 @@ class ShardedUnit:
 
     def keep_unsynced_grads(self) -> None:
         """A backward without gradient sync ended (Note [Unsynced accumulation])."""
+        if isinstance(self.reduction, CanonicalReduction):
+            raise RuntimeError(
+                f"unit {self.name or '<root>'!r}: a backward without gradient sync (no_sync, "
+                "set_requires_gradient_sync(False)) in the canonical reduction mode would add "
+                "micro-batches outside its fixed tree; run every micro-batch's backward with "
+                "gradient sync"
+            )
         reduce_dtype = self.precision.reduce_dtype
         if self.settings.unsynced_grads_in_reduce_dtype and reduce_dtype is not None:
             for p in self.trainable:
@@ -654,6 +758,8 @@ class ShardedUnit:
         for p in self.trainable:
             p.drop_unsharded_grad()
         self._partial_reduce_output = None
+        if isinstance(self.reduction, CanonicalReduction):
+            self.reduction.tree.clear()
         self._to_sharded()
         self.training_state = TrainingState.IDLE
 
@@ -735,9 +841,7 @@ class ShardedUnit:
             filled = [g.to(reduce_dtype) for g in filled]  # the copy-in's cast, done first
         had_grad = torch.tensor([float(g is not None) for g in grads], dtype=filled[0].dtype)
         had_grad = had_grad.to(filled[0].device)
-        pre, post = self._divide_factors
-        if self.settings.gradient_divide_factor is not None:  # set_gradient_divide_factor
-            pre, post = 1.0, self.settings.gradient_divide_factor  # the plain sum, one division
+        pre, post = self.reduction.divide_factors(self)
         buffer = self.reduction.pack(self, filled, had_grad, reduce_dtype).div_(pre)
         op = self._issue(self.reduction.kind, "backward", buffer)
         with collectives.failing_as(op):

@@ -1,0 +1,208 @@
+"""The canonical reduction mode (fsdp_lite.Canonical, docs/invariance.md): 10 AdamW steps with
+clipping and a frozen parameter give bitwise equal parameters, optimizer state and reported losses at
+1, 2 and 4 ranks, for both fronts and every strategy it covers, fp32 and bf16 params with an fp32
+reduce; in fp32 also bitwise one process with no process group. One launch per world size."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fsdp_lite
+from fsdp_lite.canonical import Canonical
+from fsdp_lite.engine import canonical
+from tests.ranks import run_ranks
+
+V = 8  # virtual micro-batches per global batch
+STEPS = 10
+VOCAB, DIM = 29, 12  # 29 rows: uneven at 2 and at 4 ranks
+
+
+class Net(nn.Module):
+    """An embedding, two blocks (LayerNorm, Linear 7 rows out, Linear back) and a head; the first
+    block's LayerNorm is frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 7), nn.GELU(), nn.Linear(7, DIM))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(DIM, VOCAB)
+        for p in self.blocks[0][0].parameters():
+            p.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _wrap(kind: str, model: nn.Module, bf16: bool) -> nn.Module:
+    if kind == "plain":
+        return model
+    if kind.startswith("fsdp1/"):
+        mp = fsdp_lite.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
+        policy = fsdp_lite.wrap.ModuleWrapPolicy({nn.Sequential})
+        return fsdp_lite.FullyShardedDataParallel(
+            model,
+            sharding_strategy=fsdp_lite.ShardingStrategy[kind.removeprefix("fsdp1/")],
+            auto_wrap_policy=policy,
+            mixed_precision=mp,
+            use_orig_params=True,
+        )
+    mp = fsdp_lite.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
+    extra = {"mp_policy": mp} if mp is not None else {}
+    for block in model.blocks:
+        fsdp_lite.fully_shard(block, **extra)
+    fsdp_lite.fully_shard(model, **extra)
+    return model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _train(kind: str, bf16: bool) -> dict[str, torch.Tensor]:
+    """10 steps on the same global batches; everything that must not depend on N, by name."""
+    torch.set_num_threads(1)  # the contract: the same thread count in every run
+    torch.manual_seed(0)
+    model = _wrap(kind, Net(), bf16)
+    canon = Canonical(model, virtual_batches=V)
+    optim = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=True
+    )
+    canon.check_optimizer(optim)
+    out: dict[str, torch.Tensor] = {}
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(VOCAB, (2 * V, 9), generator=g)  # 16 sequences: 2 per leaf
+        losses = []
+        for micro in canon.micro_batches(tokens):
+            logits = model(micro[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), micro[:, 1:].reshape(-1))
+            loss.backward()
+            losses.append(loss.detach())
+        out[f"norm/{step}"] = canon.clip_grad_norm_(0.5 if step % 2 else 50.0)
+        optim.step()
+        optim.zero_grad()
+        out[f"loss/{step}"] = canon.mean(losses)
+    for name, p in model.named_parameters():
+        name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
+        out[f"param/{name}"] = _full(p)
+        for key, value in optim.state.get(p, {}).items():
+            out[f"state/{name}/{key}"] = _full(value)
+    return out
+
+
+KINDS = [
+    "fsdp1/FULL_SHARD",
+    "fsdp1/SHARD_GRAD_OP",
+    "fsdp1/NO_SHARD",
+    "fsdp1/SHARD_OPTIM",
+    "fully_shard",
+]
+RUNS = [(kind, bf16) for kind in KINDS for bf16 in (False, True)]
+
+
+def _rank(rank: int, world_size: int) -> bytes:
+    buffer = io.BytesIO()  # tensors cross the process boundary as bytes, not shared memory
+    torch.save({run: _train(*run) for run in RUNS}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def by_world_size(tmp_path_factory) -> dict[int, dict]:
+    return {
+        n: torch.load(
+            io.BytesIO(run_ranks(_rank, n, tmp_path_factory.mktemp(f"c{n}"), timeout=300)[0])
+        )
+        for n in (1, 2, 4)
+    }
+
+
+def _assert_bitwise(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for key in want:
+        same = torch.equal(
+            got[key].view(-1).view(torch.uint8), want[key].view(-1).view(torch.uint8)
+        )
+        diff = (got[key].double() - want[key].double()).abs().max().item()
+        assert same, f"{what}: {key} differs (max {diff:.3g})"
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[f"{k}-{'bf16' if b else 'fp32'}" for k, b in RUNS])
+def test_same_bits_at_1_2_4_ranks(by_world_size, run):
+    one = by_world_size[1][run]
+    for n in (2, 4):
+        _assert_bitwise(by_world_size[n][run], one, f"{run} at {n} ranks vs 1")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_process_without_a_process_group(by_world_size, kind):
+    """A plain nn.Module in this process, no process group: the 4-rank run's bits."""
+    _assert_bitwise(_train("plain", False), by_world_size[4][(kind, False)], f"{kind} vs plain")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 700), cuts=st.lists(st.integers(1, 699), max_size=5), seed=st.integers(0, 99)
+)
+def test_element_tree_does_not_depend_on_the_cuts(n, cuts, seed):
+    """Pieces of any contiguous split combine to the sum of the zero-padded elements in the
+    fixed tree (canonical.tree_sum), bit for bit."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) ** 2
+    bounds = sorted({0, n, *(c for c in cuts if c < n)})
+    pieces = [pc for a, b in zip(bounds, bounds[1:]) for pc in canonical.tree_pieces(x[a:b], a, n)]
+    width = 1 << max(n - 1, 0).bit_length()
+    padded = torch.cat([x, x.new_zeros(width - n)])
+    assert canonical.combine_pieces(pieces, n) == canonical.tree_sum(list(padded.unbind())).item()
+
+
+def test_tree_sum_pushed_one_at_a_time():
+    leaves = [torch.randn(5, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    tree = canonical.TreeSum(8)
+    results = [tree.push(leaf.clone()) for leaf in leaves]
+    assert results[:-1] == [None] * 7
+    assert torch.equal(results[-1], canonical.tree_sum(leaves))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="power of two"):
+        Canonical(nn.Linear(2, 2), virtual_batches=6)
+    canon = Canonical(nn.Linear(2, 2), virtual_batches=4)
+    with pytest.raises(ValueError, match="multiple of virtual_batches"):
+        canon.micro_batches(torch.zeros(6, 2))
+    with pytest.raises(ValueError, match="fused=True"):
+        canon.check_optimizer(torch.optim.AdamW(nn.Linear(2, 2).parameters(), fused=True))
+    with pytest.raises(NotImplementedError, match="norm_type 2 or inf"):
+        canon.clip_grad_norm_(1.0, norm_type=1.0)
+    assert math.isfinite(canon.clip_grad_norm_(1.0).item())
+
+
+def _refusals(rank: int, world_size: int) -> None:
+    with pytest.raises(ValueError, match=r"multiple of the data-parallel world size \(2\)"):
+        Canonical(fsdp_lite.FullyShardedDataParallel(nn.Linear(4, 4)), virtual_batches=1)
+    hybrid = fsdp_lite.FullyShardedDataParallel(
+        nn.Linear(4, 4), sharding_strategy=fsdp_lite.ShardingStrategy.HYBRID_SHARD
+    )
+    with pytest.raises(NotImplementedError, match="HYBRID_SHARD"):
+        Canonical(hybrid, virtual_batches=2)
+    model = fsdp_lite.FullyShardedDataParallel(nn.Linear(4, 4))
+    Canonical(model, virtual_batches=2)
+    with pytest.raises(RuntimeError, match="without gradient sync"), model.no_sync():
+        model(torch.ones(2, 4)).sum().backward()
+
+
+def test_refusals_at_2_ranks(tmp_path):
+    """V not a multiple of N, HYBRID_SHARD (not built yet) and no_sync are refused by name."""
+    run_ranks(_refusals, 2, tmp_path, timeout=120)
