@@ -54,17 +54,27 @@ class Canonical:
         self.module = module
         self.virtual_batches = virtual_batches
         self.units: list[ShardedUnit] = [m._unit for m in unit_owners(module)]
-        groups = {id(u.group): u.group for u in self.units}
+        groups = {(id(u.group), id(u.replicate_group)) for u in self.units}
         if len(groups) > 1:
             raise NotImplementedError("Canonical takes a model whose units share one process group")
-        self.group: dist.ProcessGroup | None = next(iter(groups.values()), None)
+        # The shard group, and HYBRID_SHARD's replicate group: rank (i, j) of the
+        # (replicate, shard) mesh runs the micro-batches of leaf position i S + j.
+        self.group: dist.ProcessGroup | None = self.units[0].group if self.units else None
+        self.replicate_group = self.units[0].replicate_group if self.units else None
         if self.group is None and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(
                 "Canonical on a module without fsdp_lite units runs in one process; wrap it "
                 "(FullyShardedDataParallel or fully_shard) to train at several ranks"
             )
-        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
-        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        shards = dist.get_world_size(self.group) if self.group is not None else 1
+        shard_rank = dist.get_rank(self.group) if self.group is not None else 0
+        replicas, replica = 1, 0
+        if self.replicate_group is not None:
+            replicas = dist.get_world_size(self.replicate_group)
+            replica = dist.get_rank(self.replicate_group)
+        self.shard_rank = shard_rank
+        self.world_size = replicas * shards  # the data-parallel ranks
+        self.rank = replica * shards + shard_rank
         if virtual_batches % self.world_size:
             raise ValueError(
                 f"virtual_batches ({virtual_batches}) must be a multiple of the data-parallel "
@@ -74,7 +84,7 @@ class Canonical:
         # here; the same across runs is the user's part of the contract.
         self.threads = torch.get_num_threads()
         if self.group is not None:
-            counts = collectives.all_gather_objects(self.threads, self.group)
+            counts = self._gather(self.threads)
             if len(set(counts)) > 1:
                 raise RuntimeError(
                     f"Canonical needs the same torch.get_num_threads() on every rank, got {counts}"
@@ -126,15 +136,23 @@ class Canonical:
         ``micro_steps`` values in micro-batch order: their tree sum over all V leaves / V."""
         if len(losses) != self.micro_steps:
             raise ValueError(f"mean takes this rank's {self.micro_steps} values, got {len(losses)}")
-        mine = [float(v) for v in losses]
-        ranks = (
-            collectives.all_gather_objects(mine, self.group) if self.group is not None else [mine]
-        )
+        ranks = self._gather([float(v) for v in losses])
         leaves = [
             torch.tensor(ranks[leaf % self.world_size][leaf // self.world_size])
             for leaf in range(self.virtual_batches)
         ]
         return canonical.tree_sum(leaves) / self.virtual_batches
+
+    def _gather(self, obj: object) -> list:
+        """Every data-parallel rank's ``obj``, by leaf position (replica i, shard rank j: i S + j)."""
+        if self.group is None:
+            return [obj]
+        within = collectives.all_gather_objects(obj, self.group)
+        if self.replicate_group is None:
+            return within
+        return [
+            o for per in collectives.all_gather_objects(within, self.replicate_group) for o in per
+        ]
 
     # ---- gradients -----------------------------------------------------------------------------
 
@@ -193,6 +211,7 @@ class Canonical:
                 mine.append([local.abs().max().item()])
             else:
                 mine.append(canonical.tree_pieces(local * local, start, p.numel()))
+        # Replicas hold the same gradients: each shard group combines its own, to the same bits.
         ranks = (
             collectives.all_gather_objects(mine, self.group) if self.group is not None else [mine]
         )
@@ -221,7 +240,7 @@ class Canonical:
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         flat = grad.reshape(-1).float()
         if owner is None:  # whole on every rank: NO_SHARD, a plain module, an ignored parameter
-            return flat, 0, self.rank == 0
+            return flat, 0, self.shard_rank == 0
         if owner.shard_dim != 0:
             raise NotImplementedError(
                 f"Canonical.clip_grad_norm_: {owner.fqn!r} is sharded on dim {owner.shard_dim}; "

@@ -14,8 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_lite
+import fsdp_lite.checkpoint
 from fsdp_lite.canonical import Canonical
 from fsdp_lite.engine import canonical
 from tests.ranks import run_ranks
@@ -47,9 +49,28 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def _hsdp_mesh(kind: str):
+    """ "hsdp/2x2" -> a (replicate 2, shard 2) mesh; None for other kinds."""
+    if "hsdp/" not in kind:
+        return None
+    replicas, shards = map(int, kind.split("/")[1].split("x"))
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
 def _wrap(kind: str, model: nn.Module, bf16: bool) -> nn.Module:
+    mesh = _hsdp_mesh(kind)
     if kind == "plain":
         return model
+    if kind.startswith("hsdp/"):
+        mp = fsdp_lite.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
+        return fsdp_lite.FullyShardedDataParallel(
+            model,
+            sharding_strategy=fsdp_lite.ShardingStrategy.HYBRID_SHARD,
+            auto_wrap_policy=fsdp_lite.wrap.ModuleWrapPolicy({nn.Sequential}),
+            mixed_precision=mp,
+            device_mesh=mesh,
+            use_orig_params=True,
+        )
     if kind.startswith("fsdp1/"):
         mp = fsdp_lite.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
         policy = fsdp_lite.wrap.ModuleWrapPolicy({nn.Sequential})
@@ -62,6 +83,8 @@ def _wrap(kind: str, model: nn.Module, bf16: bool) -> nn.Module:
         )
     mp = fsdp_lite.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
     extra = {"mp_policy": mp} if mp is not None else {}
+    if mesh is not None:
+        extra["mesh"] = mesh
     for block in model.blocks:
         fsdp_lite.fully_shard(block, **extra)
     fsdp_lite.fully_shard(model, **extra)
@@ -72,8 +95,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _train(kind: str, bf16: bool) -> dict[str, torch.Tensor]:
-    """10 steps on the same global batches; everything that must not depend on N, by name."""
+def _train(
+    kind: str,
+    bf16: bool,
+    steps: range = range(STEPS),
+    load: str | None = None,
+    save: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """``steps`` on the same global batches (after loading the checkpoint ``load``, then saving
+    to ``save``); everything that must not depend on N, by name."""
     torch.set_num_threads(1)  # the contract: the same thread count in every run
     torch.manual_seed(0)
     model = _wrap(kind, Net(), bf16)
@@ -82,8 +112,10 @@ def _train(kind: str, bf16: bool) -> dict[str, torch.Tensor]:
         [p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=True
     )
     canon.check_optimizer(optim)
+    if load is not None:
+        fsdp_lite.checkpoint.load(model, optim, load)
     out: dict[str, torch.Tensor] = {}
-    for step in range(STEPS):
+    for step in steps:
         g = torch.Generator().manual_seed(step)
         tokens = torch.randint(VOCAB, (2 * V, 9), generator=g)  # 16 sequences: 2 per leaf
         losses = []
@@ -96,6 +128,8 @@ def _train(kind: str, bf16: bool) -> dict[str, torch.Tensor]:
         optim.step()
         optim.zero_grad()
         out[f"loss/{step}"] = canon.mean(losses)
+    if save is not None:
+        fsdp_lite.checkpoint.save(model, optim, save)
     for name, p in model.named_parameters():
         name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
         out[f"param/{name}"] = _full(p)
@@ -114,20 +148,53 @@ KINDS = [
 RUNS = [(kind, bf16) for kind in KINDS for bf16 in (False, True)]
 
 
-def _rank(rank: int, world_size: int) -> bytes:
+# Elastic resume, 4 -> 2 -> 1 ranks: steps 0-3 at 4 ranks, 4-6 at 2, 7-9 at 1 (and in one
+# process without a process group), each leg loading the sharded checkpoint the last one saved.
+ELASTIC = {4: range(0, 4), 2: range(4, 7), 1: range(7, STEPS)}
+ELASTIC_RUNS = [("fsdp1/FULL_SHARD", False), ("fully_shard", True)]
+
+
+def _elastic_leg(run: tuple[str, bool], world_size: int, root: str) -> dict[str, torch.Tensor]:
+    name = run[0].replace("/", "_") + ("_bf16" if run[1] else "")
+    load = None if world_size == 4 else f"{root}/{name}_{2 * world_size}"
+    return _train(*run, ELASTIC[world_size], load=load, save=f"{root}/{name}_{world_size}")
+
+
+# HYBRID_SHARD at every (replicate, shard) mesh of 2 and 4 ranks: the 1-rank FULL_SHARD bits.
+HSDP_RUNS = {
+    4: [
+        ("hsdp/2x2", False),
+        ("hsdp/4x1", False),
+        ("hsdp/1x4", False),
+        ("fully_shard_hsdp/2x2", True),
+    ],
+    2: [("hsdp/2x1", False), ("hsdp/1x2", False)],
+    1: [],
+}
+
+
+def _rank(rank: int, world_size: int, root: str) -> bytes:
+    results = {run: _train(*run) for run in RUNS + HSDP_RUNS[world_size]}
+    results.update({("elastic", *run): _elastic_leg(run, world_size, root) for run in ELASTIC_RUNS})
     buffer = io.BytesIO()  # tensors cross the process boundary as bytes, not shared memory
-    torch.save({run: _train(*run) for run in RUNS}, buffer)
+    torch.save(results, buffer)
     return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
-def by_world_size(tmp_path_factory) -> dict[int, dict]:
-    return {
-        n: torch.load(
-            io.BytesIO(run_ranks(_rank, n, tmp_path_factory.mktemp(f"c{n}"), timeout=300)[0])
+def checkpoints(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def by_world_size(tmp_path_factory, checkpoints) -> dict[int, dict]:
+    results = {}
+    for n in (4, 2, 1):  # the elastic legs run in this order
+        launch = run_ranks(
+            _rank, n, tmp_path_factory.mktemp(f"c{n}"), timeout=400, args=(checkpoints,)
         )
-        for n in (1, 2, 4)
-    }
+        results[n] = torch.load(io.BytesIO(launch[0]))
+    return results
 
 
 def _assert_bitwise(got: dict, want: dict, what: str) -> None:
@@ -151,6 +218,33 @@ def test_same_bits_at_1_2_4_ranks(by_world_size, run):
 def test_one_process_without_a_process_group(by_world_size, kind):
     """A plain nn.Module in this process, no process group: the 4-rank run's bits."""
     _assert_bitwise(_train("plain", False), by_world_size[4][(kind, False)], f"{kind} vs plain")
+
+
+@pytest.mark.parametrize(
+    "n, run", [(n, run) for n, runs in HSDP_RUNS.items() for run in runs], ids=lambda v: str(v)
+)
+def test_hybrid_shard_meshes_give_the_same_bits(by_world_size, n, run):
+    """HYBRID_SHARD 1x4, 2x2, 4x1, 1x2, 2x1 (both fronts): the 1-rank FULL_SHARD bits."""
+    same_front = "fully_shard" if run[0].startswith("fully_shard") else "fsdp1/FULL_SHARD"
+    _assert_bitwise(by_world_size[n][run], by_world_size[1][(same_front, run[1])], f"{run}")
+
+
+@pytest.mark.parametrize("run", ELASTIC_RUNS, ids=[k for k, _ in ELASTIC_RUNS])
+def test_elastic_resume_4_2_1_continues_bitwise(by_world_size, run):
+    """The last leg's parameters, state and its steps' losses and norms are the uninterrupted
+    runs' (which are the same at every N)."""
+    resumed = by_world_size[1][("elastic", *run)]
+    full = by_world_size[4][run]
+    want = {k: v for k, v in full.items() if k in resumed}
+    assert len(want) == len(resumed), set(resumed) - set(want)
+    _assert_bitwise(resumed, want, f"{run} resumed 4 -> 2 -> 1")
+
+
+def test_elastic_resume_in_one_process_without_a_process_group(by_world_size, checkpoints):
+    """The 2-rank leg's checkpoint of the FSDP1 front, loaded into a plain module."""
+    resumed = _train("plain", False, ELASTIC[1], load=f"{checkpoints}/fsdp1_FULL_SHARD_2")
+    full = by_world_size[4][("fsdp1/FULL_SHARD", False)]
+    _assert_bitwise(resumed, {k: v for k, v in full.items() if k in resumed}, "plain resumed")
 
 
 @settings(max_examples=60, deadline=None)
@@ -192,11 +286,6 @@ def test_bad_input():
 def _refusals(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"multiple of the data-parallel world size \(2\)"):
         Canonical(fsdp_lite.FullyShardedDataParallel(nn.Linear(4, 4)), virtual_batches=1)
-    hybrid = fsdp_lite.FullyShardedDataParallel(
-        nn.Linear(4, 4), sharding_strategy=fsdp_lite.ShardingStrategy.HYBRID_SHARD
-    )
-    with pytest.raises(NotImplementedError, match="HYBRID_SHARD"):
-        Canonical(hybrid, virtual_batches=2)
     model = fsdp_lite.FullyShardedDataParallel(nn.Linear(4, 4))
     Canonical(model, virtual_batches=2)
     with pytest.raises(RuntimeError, match="without gradient sync"), model.no_sync():
@@ -204,5 +293,5 @@ def _refusals(rank: int, world_size: int) -> None:
 
 
 def test_refusals_at_2_ranks(tmp_path):
-    """V not a multiple of N, HYBRID_SHARD (not built yet) and no_sync are refused by name."""
+    """V not a multiple of N and no_sync are refused by name."""
     run_ranks(_refusals, 2, tmp_path, timeout=120)

@@ -348,11 +348,14 @@ class CanonicalReduction(Reduction):
 
     kind = "all_to_all"
 
-    def __init__(self, base: Reduction, virtual_batches: int, world_size: int) -> None:
+    def __init__(
+        self, base: Reduction, virtual_batches: int, world_size: int, replicas: int = 1
+    ) -> None:
         self.base = base
         self.virtual_batches = virtual_batches
-        self.world_size = world_size
-        self.tree = canonical.TreeSum(virtual_batches // world_size)  # this rank's block sums
+        self.world_size = world_size  # the shard group's
+        self.replicas = replicas  # HYBRID_SHARD: the shard group's blocks meet across replicas
+        self.tree = canonical.TreeSum(virtual_batches // (world_size * replicas))  # block sums
         # Gradients landed on parameters autograd accumulates into (plain NO_SHARD's): a
         # backward must not find one there (Note [Canonical leaves]).
         self.landed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
@@ -396,11 +399,28 @@ class CanonicalReduction(Reduction):
         block = canonical.tree_sum(output.view(self.world_size, -1).unbind(0))
         if isinstance(self.base, AllReduce):
             block = self._gather_chunks(unit, block, pending)
+        if self.replicas > 1:
+            if not unit.settings.requires_all_reduce:
+                raise RuntimeError(
+                    f"unit {unit.name or '<root>'!r}: set_requires_all_reduce(False) in the "
+                    "canonical reduction mode would add micro-batches outside its fixed tree"
+                )
+            block = self._across_replicas(unit, block)
         step_sum = self.tree.push(block)  # a new tensor, or (N = 1) the packed buffer: ours
         if step_sum is not None:
             # Some leaves may lack a gradient this rank's did not: read the counts.
             unit._land(step_sum, dataclasses.replace(pending, had_every_grad=False))
         return None
+
+    def _across_replicas(self, unit, block) -> torch.Tensor:
+        """HYBRID_SHARD: replica i's shard group summed the leaves [i S, (i+1) S) of this
+        micro-step (rank (i, j) runs leaf i S + j); the R block sums meet in replica order, the
+        next levels of the same tree."""
+        op = unit._issue("all_gather", "backward", block, unit.replicate_group)
+        with collectives.failing_as(op):
+            result = collectives.all_gather(block, unit.replicate_group, async_op=True)
+        rows = unit._wait(op, result).view(self.replicas, -1)
+        return canonical.tree_sum(rows.unbind(0))
 
     def _gather_chunks(self, unit, chunk, pending) -> torch.Tensor:
         """AllReduce's base: every rank's summed chunk, concatenated, without the padding."""
@@ -564,17 +584,13 @@ class ShardedUnit:
     def use_canonical(self, virtual_batches: int) -> None:
         """Reduce in the world-size-invariant tree of ``virtual_batches`` leaves per step
         (``CanonicalReduction``); called before the first backward, on every rank."""
-        if self.replicate_group is not None:
-            raise NotImplementedError(
-                "the canonical reduction mode does not cover HYBRID_SHARD yet "
-                "(the all-reduce across replicas is not in the tree)"
-            )
         base = (
             self.reduction.base
             if isinstance(self.reduction, CanonicalReduction)
             else self.reduction
         )
-        self.reduction = CanonicalReduction(base, virtual_batches, self.world_size)
+        replicas = dist.get_world_size(self.replicate_group) if self.replicate_group else 1
+        self.reduction = CanonicalReduction(base, virtual_batches, self.world_size, replicas)
 
     def after_apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """``nn.Module._apply(fn)`` ran and the shards were taken back

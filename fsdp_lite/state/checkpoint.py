@@ -87,7 +87,15 @@ def checkpoint_state(model: nn.Module, optim: torch.optim.Optimizer | None) -> d
     """
     config = ShardedStateDictConfig(offload_to_cpu=False, _use_dtensor=True)
     optim_config = ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True)
-    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT, config, optim_config):
+    # The FSDP1 front's wrappers choose their state dict by settings; the FSDP2 front's always
+    # give their DTensor shards, as torch's fully_shard does.
+    fsdp1 = [w for w in wrappers_in(model) if hasattr(w, "_state_dict_settings")]
+    context = (
+        state_dict_type(model, StateDictType.SHARDED_STATE_DICT, config, optim_config)
+        if fsdp1
+        else contextlib.nullcontext()
+    )
+    with context:
         state: dict[str, Any] = {"model": model.state_dict()}
     if optim is not None:
         state["optim"] = optim_state.named_optim_state_dict(model, optim, full=False)
