@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+import tempfile
 
 import pytest
 import torch
@@ -74,9 +75,14 @@ def _wrap(kind: str, model: nn.Module, bf16: bool) -> nn.Module:
     if kind.startswith("fsdp1/"):
         mp = fsdp_lite.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
         policy = fsdp_lite.wrap.ModuleWrapPolicy({nn.Sequential})
+        strategy, _, offload = kind.removeprefix("fsdp1/").partition("+")
         return fsdp_lite.FullyShardedDataParallel(
             model,
-            sharding_strategy=fsdp_lite.ShardingStrategy[kind.removeprefix("fsdp1/")],
+            sharding_strategy=fsdp_lite.ShardingStrategy[strategy],
+            cpu_offload=fsdp_lite.CPUOffload(
+                offload_params=bool(offload),
+                offload_dir=tempfile.mkdtemp() if offload == "disk" else None,
+            ),
             auto_wrap_policy=policy,
             mixed_precision=mp,
             use_orig_params=True,
@@ -173,8 +179,13 @@ HSDP_RUNS = {
 }
 
 
+# Shards, gradients and optimizer state offloaded to CPU memory and to files: the same bits.
+OFFLOAD_RUNS = [("fsdp1/FULL_SHARD+cpu", False), ("fsdp1/FULL_SHARD+disk", False)]
+
+
 def _rank(rank: int, world_size: int, root: str) -> bytes:
-    results = {run: _train(*run) for run in RUNS + HSDP_RUNS[world_size]}
+    runs = RUNS + HSDP_RUNS[world_size] + OFFLOAD_RUNS
+    results = {run: _train(*run) for run in runs}
     results.update({("elastic", *run): _elastic_leg(run, world_size, root) for run in ELASTIC_RUNS})
     buffer = io.BytesIO()  # tensors cross the process boundary as bytes, not shared memory
     torch.save(results, buffer)
@@ -227,6 +238,15 @@ def test_hybrid_shard_meshes_give_the_same_bits(by_world_size, n, run):
     """HYBRID_SHARD 1x4, 2x2, 4x1, 1x2, 2x1 (both fronts): the 1-rank FULL_SHARD bits."""
     same_front = "fully_shard" if run[0].startswith("fully_shard") else "fsdp1/FULL_SHARD"
     _assert_bitwise(by_world_size[n][run], by_world_size[1][(same_front, run[1])], f"{run}")
+
+
+@pytest.mark.parametrize("run", OFFLOAD_RUNS, ids=[k for k, _ in OFFLOAD_RUNS])
+def test_offload_gives_the_same_bits(by_world_size, run):
+    """CPU and disk offload at 1, 2 and 4 ranks: the 1-rank FULL_SHARD bits."""
+    for n in (1, 2, 4):
+        _assert_bitwise(
+            by_world_size[n][run], by_world_size[1][("fsdp1/FULL_SHARD", False)], f"{run} at {n}"
+        )
 
 
 @pytest.mark.parametrize("run", ELASTIC_RUNS, ids=[k for k, _ in ELASTIC_RUNS])
