@@ -66,6 +66,9 @@ COLLECTIVES_VARIANT = "fsdp_lite/FULL_SHARD/collectives"
 NO_ORDER_CHECK = "fsdp_lite/FULL_SHARD/no_order_check"
 # fsdp_lite's FSDP2 front, fully_shard per block and root: the same calls as torch_fsdp2's
 LITE_FSDP2 = "fsdp_lite/fully_shard"
+# The canonical reduction mode of each front (fsdp_lite.Canonical, docs/invariance.md)
+CANONICAL = "fsdp_lite/FULL_SHARD/canonical"
+CANONICAL_FSDP2 = "fsdp_lite/fully_shard/canonical"
 FLOOR = "single"
 # --baseline REF: fsdp_lite as of git REF, imported under this name (export_baseline)
 BASELINE_PACKAGE = "fsdp_lite_baseline"
@@ -93,6 +96,9 @@ class SystemSpec:
     # lite, lite_fsdp2: the package to build with; BASELINE_PACKAGE is another commit's fsdp_lite
     # (--baseline), so that two versions train side by side in one run.
     package: str = "fsdp_lite"
+    # fsdp_lite.Canonical with V = N (one micro-batch per rank, as the others): the
+    # world-size-invariant reduction, to measure what it costs beside the default mode
+    canonical: bool = False
 
 
 # DeepSpeed ZeRO stages, when deepspeed is installed (the "deepspeed" extra). ZeRO-1 and -2
@@ -114,6 +120,7 @@ def all_systems(world_size: int, baseline: bool = False) -> tuple[list[SystemSpe
     with ``baseline``, also ``baseline/...``: the fsdp_lite systems of ``--baseline REF``."""
     import fsdp_lite
 
+    left_out = {}
     specs = [
         SystemSpec(FLOOR, "single"),
         SystemSpec("ddp", "ddp", theory=(0, 0, 1)),
@@ -127,7 +134,15 @@ def all_systems(world_size: int, baseline: bool = False) -> tuple[list[SystemSpe
         SystemSpec("fsdp_lite/SHARD_GRAD_OP", "lite", "SHARD_GRAD_OP", (1, 1, 0)),
         SystemSpec("fsdp_lite/NO_SHARD", "lite", "NO_SHARD", (0, 0, 1)),
     ]
-    left_out = {}
+    if world_size & (world_size - 1) == 0:  # Canonical's V = N must be a power of two
+        specs += [
+            SystemSpec(CANONICAL, "lite", "FULL_SHARD", (2, 1, 0), canonical=True),
+            SystemSpec(CANONICAL_FSDP2, "lite_fsdp2", theory=(2, 1, 0), canonical=True),
+        ]
+    else:
+        left_out[CANONICAL] = left_out[CANONICAL_FSDP2] = (
+            f"world size {world_size}: the canonical mode needs a power of two"
+        )
     # fsdp_lite's ZeRO-1 all-reduces grads (every rank keeps them whole), then all-gathers the
     # stepped params: 3 psi, where the paper's ZeRO-1 reduce-scatters (2 psi); docs/zero1.md.
     if hasattr(fsdp_lite.ShardingStrategy, "SHARD_OPTIM"):
@@ -144,7 +159,10 @@ def all_systems(world_size: int, baseline: bool = False) -> tuple[list[SystemSpe
         specs += [
             dataclasses.replace(s, name=f"baseline/{s.name}", package=BASELINE_PACKAGE)
             for s in specs
-            if s.kind in ("lite", "lite_fsdp2") and not s.backend_collectives and s.order_check
+            if s.kind in ("lite", "lite_fsdp2")
+            and not s.backend_collectives
+            and s.order_check
+            and not s.canonical
         ]
     if importlib.util.find_spec("deepspeed") is not None:
         specs += DEEPSPEED_SYSTEMS
@@ -244,6 +262,10 @@ def build_system(
             owner._unit.transport = collectives.BACKEND
     if not spec.order_check:
         importlib.import_module(spec.package).set_collective_order_check(model, False)
+    if spec.canonical:
+        importlib.import_module(spec.package).Canonical(
+            model, virtual_batches=dist.get_world_size()
+        )
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     return System(spec, model, optim, autocast)
 
@@ -341,6 +363,7 @@ _COLLECTIVE_KINDS = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
+    "alltoall_base_": "all_to_all",
     "broadcast_": "broadcast",
     "send": "send",  # point to point: every byte of the tensor leaves this rank
 }
@@ -374,7 +397,8 @@ class CountCollectives(TorchDispatchMode):
         if kind is not None and func._opname not in ("barrier", "recv_", "recv_any_source_"):
             group_size = next(_group_size(a) for a in args if _is_process_group(a))
             # The full buffer: the output of an all-gather, the input of a reduce-scatter.
-            buffer = args[1] if kind == "reduce_scatter" else args[0]
+            # An all-to-all's input: (g-1)/g of it leaves this rank.
+            buffer = args[1] if kind in ("reduce_scatter", "all_to_all") else args[0]
             nbytes = sum(t.numel() * t.element_size() for t in _tensors(buffer))
             factor = (2 if kind == "all_reduce" else 1) * (group_size - 1) / group_size
             if kind == "send":
@@ -523,6 +547,7 @@ def measure_system(system: System, args, cfg: GPTConfig, next_step: int) -> dict
         # HYBRID_SHARD gathers and scatters in a shard group, all-reduces across replicas.
         shard_size = world_size // spec.replicas
         group_sizes = {"all_gather": shard_size, "reduce_scatter": shard_size}
+        group_sizes["all_to_all"] = shard_size
         group_sizes["all_reduce"] = spec.replicas if spec.replicas > 1 else world_size
         sent = trace_sent_nbytes(records.records, group_sizes)
         # Done by sends on gloo (collectives.Transport): the same bytes, counted as sends.
