@@ -6,7 +6,9 @@ computes the mean loss of its local batch; each system averages the gradients ov
 in exact arithmetic every N trains the same parameters. The report gives, per system and world
 size, the largest difference from the N = 1 run over all parameters after each step, in units in
 the last place (ulps) of the N = 1 value, and the losses' (the global batch's mean, gathered).
-0 ulps everywhere would be a world-size-invariant system; none of these is one today.
+0 ulps everywhere is a world-size-invariant system: fsdp_lite's canonical mode (fsdp_lite.Canonical,
+docs/invariance.md), which cuts the global batch into V = 4 micro-batches and sums them in one
+fixed tree, is run beside the others.
 
     python scripts/world_size_bits.py [--world-sizes 1,2,4] [--steps 3] [--json PATH]
 
@@ -38,7 +40,16 @@ from fsdp_lite.wrap import ModuleWrapPolicy  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=61, seq_len=16, d_model=32, n_heads=2, n_layers=2, d_ff=64)
 GLOBAL_BATCH = 8
-SYSTEMS = ("ddp", "torch_fsdp2", "fsdp_lite/FULL_SHARD", "fsdp_lite/fully_shard")
+SYSTEMS = (
+    "ddp",
+    "torch_fsdp2",
+    "fsdp_lite/FULL_SHARD",
+    "fsdp_lite/fully_shard",
+    "fsdp_lite/FULL_SHARD/canonical",
+    "fsdp_lite/fully_shard/canonical",
+)
+# fsdp_lite.Canonical's virtual micro-batches: 2 sequences each, a multiple of every world size here
+VIRTUAL_BATCHES = 4
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +61,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def build(system: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = TinyLM(CONFIG)
+    system = system.removesuffix("/canonical")
     if system == "ddp":
         return DistributedDataParallel(model)
     if system == "fsdp_lite/FULL_SHARD":
@@ -64,7 +76,7 @@ def build(system: str) -> torch.nn.Module:
 
 
 def full_params(system: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    if system == "fsdp_lite/FULL_SHARD":
+    if system.startswith("fsdp_lite/FULL_SHARD"):
         with fsdp_lite.FullyShardedDataParallel.summon_full_params(model):
             return {n: p.detach().clone() for n, p in model.named_parameters()}
     if system == "ddp":
@@ -76,6 +88,11 @@ def full_params(system: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return full
 
 
+def mean_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, CONFIG.vocab_size), y.reshape(-1))
+
+
 def run_rank(steps: int, out: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     torch.set_num_threads(1)
@@ -84,19 +101,30 @@ def run_rank(steps: int, out: str) -> None:
     record: dict[str, list] = {}
     for system in SYSTEMS:
         model = build(system)
+        canon = None
+        if system.endswith("/canonical"):
+            canon = fsdp_lite.Canonical(model, virtual_batches=VIRTUAL_BATCHES)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         rows = []
         for step in range(steps):
             x, y = global_batch(step)
-            mine = slice(rank * per_rank, (rank + 1) * per_rank)
-            logits = model(x[mine])
-            loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab_size), y[mine].reshape(-1))
-            loss.backward()
+            if canon is None:
+                mine = slice(rank * per_rank, (rank + 1) * per_rank)
+                loss = mean_loss(model, x[mine], y[mine])
+                loss.backward()
+                reported = loss.detach().clone()
+                dist.all_reduce(reported)
+                reported /= world
+            else:  # the global batch's V micro-batches, this rank's share of them
+                losses = []
+                for xm, ym in canon.micro_batches(x, y):
+                    loss = mean_loss(model, xm, ym)
+                    loss.backward()
+                    losses.append(loss.detach())
+                reported = canon.mean(losses)
             optim.step()
             optim.zero_grad()
-            reported = loss.detach().clone()
-            dist.all_reduce(reported)
-            rows.append({"loss": (reported / world).item(), "params": full_params(system, model)})
+            rows.append({"loss": reported.item(), "params": full_params(system, model)})
         record[system] = rows
     if rank == 0:
         torch.save(record, out)
@@ -170,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         "parameter difference in ulps and absolute, the loss difference; and whether the "
         "parameters equal DDP's at the same world size"
     )
-    print(f"{'system':24} {'ranks':>5} {'max ulps':>12} {'max abs':>10} {'loss':>10}  = DDP")
+    print(f"{'system':32} {'ranks':>5} {'max ulps':>12} {'max abs':>10} {'loss':>10}  = DDP")
     for system, per_world in table.items():
         for world, rows in per_world.items():
             last = rows[-1]
             print(
-                f"{system:24} {world:>5} {last['params_max_ulps']:>12.3g} "
+                f"{system:32} {world:>5} {last['params_max_ulps']:>12.3g} "
                 f"{last['params_max_abs']:>10.2e} {last['loss_diff']:>10.2e}  "
                 f"{'bitwise' if last['bitwise_ddp'] else 'differs'}"
             )
