@@ -91,10 +91,16 @@ def _wrap(kind: str, model: nn.Module, bf16: bool) -> nn.Module:
     extra = {"mp_policy": mp} if mp is not None else {}
     if mesh is not None:
         extra["mesh"] = mesh
+    if kind == "fully_shard_hpz2":  # ZeRO++'s hpZ: after forward keep 1/2 of the params, not 1/N
+        extra["reshard_after_forward"] = 2
     for block in model.blocks:
         fsdp_lite.fully_shard(block, **extra)
     fsdp_lite.fully_shard(model, **extra)
     return model
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -131,13 +137,17 @@ def _train(
             loss.backward()
             losses.append(loss.detach())
         out[f"norm/{step}"] = canon.clip_grad_norm_(0.5 if step % 2 else 50.0)
+        if step == steps[-1]:  # the last step's clipped gradients
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    out[f"grad/{_clean(name)}"] = _full(p.grad)
         optim.step()
         optim.zero_grad()
         out[f"loss/{step}"] = canon.mean(losses)
     if save is not None:
         fsdp_lite.checkpoint.save(model, optim, save)
     for name, p in model.named_parameters():
-        name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
+        name = _clean(name)
         out[f"param/{name}"] = _full(p)
         for key, value in optim.state.get(p, {}).items():
             out[f"state/{name}/{key}"] = _full(value)
@@ -169,6 +179,7 @@ def _elastic_leg(run: tuple[str, bool], world_size: int, root: str) -> dict[str,
 # HYBRID_SHARD at every (replicate, shard) mesh of 2 and 4 ranks: the 1-rank FULL_SHARD bits.
 HSDP_RUNS = {
     4: [
+        ("fully_shard_hpz2", False),
         ("hsdp/2x2", False),
         ("hsdp/4x1", False),
         ("hsdp/1x4", False),
@@ -235,7 +246,7 @@ def test_one_process_without_a_process_group(by_world_size, kind):
     "n, run", [(n, run) for n, runs in HSDP_RUNS.items() for run in runs], ids=lambda v: str(v)
 )
 def test_hybrid_shard_meshes_give_the_same_bits(by_world_size, n, run):
-    """HYBRID_SHARD 1x4, 2x2, 4x1, 1x2, 2x1 (both fronts): the 1-rank FULL_SHARD bits."""
+    """HYBRID_SHARD 1x4, 2x2, 4x1, 1x2, 2x1 (both fronts) and hpZ at 4 ranks: the 1-rank bits."""
     same_front = "fully_shard" if run[0].startswith("fully_shard") else "fsdp1/FULL_SHARD"
     _assert_bitwise(by_world_size[n][run], by_world_size[1][(same_front, run[1])], f"{run}")
 
