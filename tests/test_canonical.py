@@ -93,6 +93,8 @@ def _wrap(kind: str, model: nn.Module, bf16: bool) -> nn.Module:
         extra["mesh"] = mesh
     if kind == "fully_shard_hpz2":  # ZeRO++'s hpZ: after forward keep 1/2 of the params, not 1/N
         extra["reshard_after_forward"] = 2
+    if kind == "fully_shard_keep":  # ZeRO-2: keep the params from forward to backward
+        extra["reshard_after_forward"] = False
     for block in model.blocks:
         fsdp_lite.fully_shard(block, **extra)
     fsdp_lite.fully_shard(model, **extra)
@@ -160,6 +162,7 @@ KINDS = [
     "fsdp1/NO_SHARD",
     "fsdp1/SHARD_OPTIM",
     "fully_shard",
+    "fully_shard_keep",
 ]
 RUNS = [(kind, bf16) for kind in KINDS for bf16 in (False, True)]
 
@@ -236,10 +239,15 @@ def test_same_bits_at_1_2_4_ranks(by_world_size, run):
         _assert_bitwise(by_world_size[n][run], one, f"{run} at {n} ranks vs 1")
 
 
+@pytest.fixture(scope="module")
+def plain_run() -> dict[str, torch.Tensor]:
+    return _train("plain", False)
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_one_process_without_a_process_group(by_world_size, kind):
+def test_one_process_without_a_process_group(by_world_size, plain_run, kind):
     """A plain nn.Module in this process, no process group: the 4-rank run's bits."""
-    _assert_bitwise(_train("plain", False), by_world_size[4][(kind, False)], f"{kind} vs plain")
+    _assert_bitwise(plain_run, by_world_size[4][(kind, False)], f"{kind} vs plain")
 
 
 @pytest.mark.parametrize(
