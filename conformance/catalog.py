@@ -523,16 +523,39 @@ CATALOG: tuple[Bug, ...] = (
         first=("*/FULL_SHARD/fp32/plain/lm_untied/*",),
     ),
     _bug(
-        "reshard_load_assumes_same_layout",
+        "sharded_state_dict_saves_padded_shards",
         "resharding",
-        "a DTensor saved at another world size is loaded as if its shard were this rank's",
-        "pytorch/torchtitan#811 (checkpoints do not load at a greater world size)",
+        "SHARDED_STATE_DICT values are the padded shard buffers (N x shard_rows rows), taken back "
+        "in place on load: exact at the same layout, an N * shard_rows-row tensor at any other",
+        "NVIDIA/Megatron-LM#6024 (padded shards that do not tile like Shard(0) get wrong DCP "
+        "metadata); pytorch/torchtitan#811 (checkpoints do not load at another world size)",
         P(
             "state/state_dict.py",
-            "        if same_layout:\n            return value\n",
-            "        if True:  # planted\n            return value\n",
+            "        elif config.offload_to_cpu:\n"
+            "            value = with_local(value, value.to_local().cpu())\n",
+            "        elif config.offload_to_cpu:\n"
+            "            value = with_local(value, value.to_local().cpu())\n"
+            "        else:  # planted: the padded shard buffer the flat collectives use\n"
+            "            p = own[key]\n"
+            "            rest = tuple(p.orig_size[1:])\n"
+            "            value = DTensor.from_local(\n"
+            "                p.sharded_flat.view(p.shard_rows, *rest),\n"
+            "                value.device_mesh,\n"
+            "                value.placements,\n"
+            "                run_check=False,\n"
+            "                shape=(p.shard_rows * p.world_size, *rest),\n"
+            "                stride=value.stride(),\n"
+            "            )\n",
         ),
-        first=("*/FULL_SHARD/fp32/plain/lm_untied/*",),
+        P(
+            "state/state_dict.py",
+            "    if isinstance(value, DTensor):\n        same_layout = (\n",
+            "    if isinstance(value, DTensor) and value.to_local().data_ptr() == "
+            "p.sharded_flat.data_ptr():\n"
+            "        return target  # planted: dcp.load filled this rank's own buffer in place\n"
+            "    if isinstance(value, DTensor):\n        same_layout = (\n",
+        ),
+        first=("*/FULL_SHARD/fp32/sharded_checkpoint/lm_untied/*",),
     ),
     # ---- gradient scaler -------------------------------------------------------------------------
     _bug(

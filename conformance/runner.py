@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 
 from conformance.adapters.base import Adapter, Unsupported, WrapRequest
@@ -287,6 +289,14 @@ class _CaseRun:
                 checkpoint_id=checkpoint_id,
                 process_group=ctx.group,
             )
+            # The checkpoint at another layout: one process reads every tensor whole, as its
+            # metadata describes it, which is what a load at any other world size relies on.
+            whole = {_WHOLE + k: v for k, v in read_checkpoint_whole(checkpoint_id).items()}
+            expected_whole = {
+                k: {_WHOLE + n: t for n, t in r.state_dict.items()} for k, r in refs.items()
+            }
+            self._compare("state_dict", self.steps + 1, whole, expected_whole, check_dtype=True)
+            self._stage_done(out.stage)
         del impl
         fresh = self._build(seed=FRESH_SEED)
         if self.feature.sharded_checkpoint:
@@ -355,6 +365,24 @@ class _CaseRun:
         dist.all_reduce(local, group=self.ctx.group)
         mean = dict(zip(sorted(losses), local / self.ctx.world_size))
         tallies["single"].add(step, compare(mean, expected["single"], tallies["single"].tolerance))
+
+
+_WHOLE = "(checkpoint read whole) "  # the keys of a DCP checkpoint read in one process
+
+
+def read_checkpoint_whole(checkpoint_id: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, whole, read by this process alone (``no_dist``): the
+    sizes and chunks its metadata records, which is all a reader at another layout has."""
+    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    whole = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process: it does
+        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable")
+        dcp.load(whole, checkpoint_id=checkpoint_id, no_dist=True)
+    return whole
 
 
 def checkpoint_blocks(model: torch.nn.Module) -> None:

@@ -1,6 +1,7 @@
 """The pieces of the checks issue 25 added, one process, no ranks: how compare treats dtypes and
-infinities, the spiky model's planted inf, the new models' data seeds, and where
-checkpoint_outside_unit puts its wrappers. tests/test_conformance.py runs them end to end."""
+infinities, the spiky model's planted inf, the new models' data seeds, where
+checkpoint_outside_unit puts its wrappers, and the whole read of a DCP checkpoint.
+tests/test_conformance.py runs them end to end."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn as nn
 
 from conformance.compare import compare
 from conformance.models import Block, GPTConfig, TinyLM
-from conformance.runner import checkpoint_units
+from conformance.runner import checkpoint_units, read_checkpoint_whole
 from conformance.tolerances import Tolerance
 from conformance.zoo import local_batch, spec
 
@@ -87,3 +88,20 @@ def test_checkpoint_outside_unit_wraps_the_outermost_module_that_holds_only_the_
     assert isinstance(units[1], Block)
     tokens = torch.randint(0, 61, (2, 16))
     model(tokens).sum().backward()  # the wrapped model still trains
+
+
+def test_a_checkpoint_read_whole_has_the_sizes_and_dtypes_its_metadata_records(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"w": torch.arange(14.0).view(7, 2), "b": torch.ones(3, dtype=torch.bfloat16)}
+    with warnings.catch_warnings():  # no_dist: DCP says it assumes one process
+        warnings.simplefilter("ignore")
+        dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    whole = read_checkpoint_whole(str(tmp_path))
+    assert whole.keys() == saved.keys()
+    assert compare(whole, saved, EXACT, check_dtype=True).bitwise
+    # 7 rows against a model's 6: the shape is reported as saved, not cut to fit.
+    smaller = {"w": torch.zeros(6, 2), "b": saved["b"]}
+    assert compare(whole, smaller, EXACT).problems == ["w: shape (7, 2), the reference (6, 2)"]

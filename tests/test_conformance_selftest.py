@@ -25,11 +25,13 @@ from conformance.matrix import Case
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "fsdp_lite"
 
-# Three classes caught on the quick matrix's first cases, each a different stage and unit kind.
+# Classes caught on the quick matrix's first cases, each a different stage and unit kind; the
+# last only by reading its sharded checkpoint whole (a round trip at its own layout passes).
 CI_ENTRIES = [
     "divide_post_factor_doubled",
     "reduce_scatter_sends_own_row",
     "clip_norm_counts_replicated_per_rank",
+    "sharded_state_dict_saves_padded_shards",
 ]
 
 
@@ -114,10 +116,10 @@ def test_self_test_catches_planted_bugs_and_prints_the_kill_table(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    assert "3 planted bugs: 3 caught, 0 missed" in proc.stdout
+    assert "4 planted bugs: 4 caught, 0 missed" in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["schema"] == "conformance-self-test" and doc["schema_version"] == 1
-    assert doc["summary"]["caught"] == 3 and doc["summary"]["false kill"] == 0
+    assert doc["summary"]["caught"] == 4 and doc["summary"]["false kill"] == 0
     kills = [
         selftest.Kill(**{k: e[k] for k in selftest.Kill.__dataclass_fields__})
         for e in doc["entries"]
@@ -125,13 +127,14 @@ def test_self_test_catches_planted_bugs_and_prints_the_kill_table(tmp_path):
     assert_expected_inline(
         selftest.format_table(kills, times=False),
         """\
-entry                                 class           ws  result  caught by (case: stage)                                 cases
-------------------------------------  --------------  --  ------  ------------------------------------------------------  -----
-divide_post_factor_doubled            divide factors  2   caught  SHARD_GRAD_OP/fp32/plain/lm_untied: grads (step 1)      1
-reduce_scatter_sends_own_row          collectives     2   caught  FULL_SHARD/fp32/plain/mlp: grads (step 1)               1
-clip_norm_counts_replicated_per_rank  clip norms      2   caught  NO_SHARD/fp32/clip_grad_norm/lm_untied: grads (step 1)  1
+entry                                   class           ws  result  caught by (case: stage)                                            cases
+--------------------------------------  --------------  --  ------  -----------------------------------------------------------------  -----
+divide_post_factor_doubled              divide factors  2   caught  SHARD_GRAD_OP/fp32/plain/lm_untied: grads (step 1)                 1
+reduce_scatter_sends_own_row            collectives     2   caught  FULL_SHARD/fp32/plain/mlp: grads (step 1)                          1
+clip_norm_counts_replicated_per_rank    clip norms      2   caught  NO_SHARD/fp32/clip_grad_norm/lm_untied: grads (step 1)             1
+sharded_state_dict_saves_padded_shards  resharding      2   caught  FULL_SHARD/fp32/sharded_checkpoint/lm_untied: state_dict (step 4)  1
 
-3 planted bugs: 3 caught, 0 missed""",
+4 planted bugs: 4 caught, 0 missed""",
     )
     table = (tmp_path / "table.md").read_text()
     assert "| `divide_post_factor_doubled`: the post-reduction divide factor" in table
