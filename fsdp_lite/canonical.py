@@ -32,13 +32,25 @@ from fsdp_lite.engine import canonical, collectives
 from fsdp_lite.engine.param import Param
 from fsdp_lite.engine.unit import ShardedUnit, unit_owners
 
-__all__ = ["Canonical"]
+__all__ = ["SCHEDULES", "Canonical"]
+
+# Which of a global batch's V micro-batches rank r of N runs, and when the gradients are reduced.
+# Both sum the same tree, so both give the same bits (docs/invariance.md).
+SCHEDULES = {
+    # leaves r, r + N, r + 2N, ...: one reduction per micro-batch; no gradient kept unsharded
+    "interleaved": lambda k, r, n, per_rank: k * n + r,
+    # leaves [r V/N, (r+1) V/N): summed locally, unsharded (up to log2(V/N) + 1 buffers), then
+    # one reduction per step, as gradient accumulation under no_sync
+    "local": lambda k, r, n, per_rank: r * per_rank + k,
+}
 
 
 class Canonical:
     """Put ``module``'s gradient reduction in the world-size-invariant tree of
     ``virtual_batches`` leaves per optimizer step (a power of two that the data-parallel world
     size divides). Call it once, after wrapping and before the first backward, on every rank.
+
+    ``schedule``: ``"interleaved"`` or ``"local"`` (``SCHEDULES``).
 
     ``module``: a model wrapped by ``FullyShardedDataParallel`` or ``fully_shard`` (FULL_SHARD,
     SHARD_GRAD_OP, NO_SHARD, SHARD_OPTIM and their FSDP2 equivalents), or a plain ``nn.Module``
@@ -48,9 +60,14 @@ class Canonical:
     ``fused=True``: ``check_optimizer``).
     """
 
-    def __init__(self, module: nn.Module, virtual_batches: int) -> None:
+    def __init__(
+        self, module: nn.Module, virtual_batches: int, schedule: str = "interleaved"
+    ) -> None:
         if not isinstance(virtual_batches, int) or not canonical.is_power_of_two(virtual_batches):
             raise ValueError(f"virtual_batches must be a power of two, got {virtual_batches!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        self.schedule = schedule
         self.module = module
         self.virtual_batches = virtual_batches
         self.units: list[ShardedUnit] = [m._unit for m in unit_owners(module)]
@@ -90,7 +107,7 @@ class Canonical:
                     f"Canonical needs the same torch.get_num_threads() on every rank, got {counts}"
                 )
         for unit in self.units:
-            unit.use_canonical(virtual_batches)
+            unit.use_canonical(virtual_batches, local=schedule == "local")
         # A plain module: every parameter's gradient climbs the tree as it arrives.
         self._trees: dict[nn.Parameter, canonical.TreeSum] = {}
         self._landed: dict[nn.Parameter, weakref.ref] = {}
@@ -102,8 +119,9 @@ class Canonical:
 
     def __repr__(self) -> str:
         return (
-            f"Canonical(virtual_batches={self.virtual_batches}, world_size={self.world_size}, "
-            f"micro_batches_per_rank={self.micro_steps}, threads={self.threads})"
+            f"Canonical(virtual_batches={self.virtual_batches}, schedule={self.schedule!r}, "
+            f"world_size={self.world_size}, micro_batches_per_rank={self.micro_steps}, "
+            f"threads={self.threads})"
         )
 
     @property
@@ -114,9 +132,9 @@ class Canonical:
     # ---- data ----------------------------------------------------------------------------------
 
     def micro_batches(self, *tensors: torch.Tensor) -> list:
-        """This rank's micro-batches of a global batch, in order: leaves r, r + N, r + 2N, ...
-        of the V equal cuts of each tensor's dim 0 (one tensor: a list of tensors; several: a
-        list of tuples)."""
+        """This rank's micro-batches of a global batch, in order: the leaves its schedule gives
+        it (interleaved: r, r + N, r + 2N, ...) of the V equal cuts of each tensor's dim 0 (one
+        tensor: a list of tensors; several: a list of tuples)."""
         size = tensors[0].size(0)
         if any(t.size(0) != size for t in tensors) or size % self.virtual_batches:
             raise ValueError(
@@ -125,8 +143,9 @@ class Canonical:
             )
         cut = size // self.virtual_batches
         out = []
+        leaf_of = SCHEDULES[self.schedule]
         for k in range(self.micro_steps):
-            leaf = k * self.world_size + self.rank
+            leaf = leaf_of(k, self.rank, self.world_size, self.micro_steps)
             piece = tuple(t[leaf * cut : (leaf + 1) * cut] for t in tensors)
             out.append(piece[0] if len(tensors) == 1 else piece)
         return out
@@ -137,10 +156,13 @@ class Canonical:
         if len(losses) != self.micro_steps:
             raise ValueError(f"mean takes this rank's {self.micro_steps} values, got {len(losses)}")
         ranks = self._gather([float(v) for v in losses])
-        leaves = [
-            torch.tensor(ranks[leaf % self.world_size][leaf // self.world_size])
-            for leaf in range(self.virtual_batches)
-        ]
+        leaf_of = SCHEDULES[self.schedule]
+        by_leaf = {
+            leaf_of(k, r, self.world_size, self.micro_steps): value
+            for r, values in enumerate(ranks)
+            for k, value in enumerate(values)
+        }
+        leaves = [torch.tensor(by_leaf[leaf]) for leaf in range(self.virtual_batches)]
         return canonical.tree_sum(leaves) / self.virtual_batches
 
     def _gather(self, obj: object) -> list:

@@ -120,8 +120,9 @@ def _train(
     to ``save``); everything that must not depend on N, by name."""
     torch.set_num_threads(1)  # the contract: the same thread count in every run
     torch.manual_seed(0)
+    kind, _, schedule = kind.partition("@")  # "fsdp1/FULL_SHARD@local": the local schedule
     model = _wrap(kind, Net(), bf16)
-    canon = Canonical(model, virtual_batches=V)
+    canon = Canonical(model, virtual_batches=V, schedule=schedule or "interleaved")
     optim = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=True
     )
@@ -195,10 +196,20 @@ HSDP_RUNS = {
 
 # Shards, gradients and optimizer state offloaded to CPU memory and to files: the same bits.
 OFFLOAD_RUNS = [("fsdp1/FULL_SHARD+cpu", False), ("fsdp1/FULL_SHARD+disk", False)]
+# The local schedule (each rank's adjacent leaves summed unsharded, one reduction per step).
+LOCAL_RUNS = [
+    ("fsdp1/FULL_SHARD@local", False),
+    ("fsdp1/FULL_SHARD@local", True),
+    ("fsdp1/NO_SHARD@local", False),
+    ("fsdp1/SHARD_OPTIM@local", False),
+    ("fully_shard@local", True),
+]
 
 
 def _rank(rank: int, world_size: int, root: str) -> bytes:
-    runs = RUNS + HSDP_RUNS[world_size] + OFFLOAD_RUNS
+    runs = RUNS + HSDP_RUNS[world_size] + OFFLOAD_RUNS + LOCAL_RUNS
+    if world_size == 4:
+        runs.append(("hsdp/2x2@local", False))
     results = {run: _train(*run) for run in runs}
     results.update({("elastic", *run): _elastic_leg(run, world_size, root) for run in ELASTIC_RUNS})
     buffer = io.BytesIO()  # tensors cross the process boundary as bytes, not shared memory
@@ -266,6 +277,18 @@ def test_offload_gives_the_same_bits(by_world_size, run):
         _assert_bitwise(
             by_world_size[n][run], by_world_size[1][("fsdp1/FULL_SHARD", False)], f"{run} at {n}"
         )
+
+
+@pytest.mark.parametrize(
+    "run", LOCAL_RUNS, ids=[f"{k}-{'bf16' if b else 'fp32'}" for k, b in LOCAL_RUNS]
+)
+def test_local_schedule_gives_the_same_bits(by_world_size, run):
+    """Summing each rank's leaves locally and reducing once: the interleaved schedule's bits."""
+    want = by_world_size[1][(run[0].partition("@")[0], run[1])]
+    for n in (1, 2, 4):
+        _assert_bitwise(by_world_size[n][run], want, f"{run} at {n}")
+    if run == ("fsdp1/FULL_SHARD@local", False):
+        _assert_bitwise(by_world_size[4][("hsdp/2x2@local", False)], want, "hsdp/2x2@local")
 
 
 @pytest.mark.parametrize("run", ELASTIC_RUNS, ids=[k for k, _ in ELASTIC_RUNS])

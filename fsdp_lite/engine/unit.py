@@ -349,13 +349,23 @@ class CanonicalReduction(Reduction):
     kind = "all_to_all"
 
     def __init__(
-        self, base: Reduction, virtual_batches: int, world_size: int, replicas: int = 1
+        self,
+        base: Reduction,
+        virtual_batches: int,
+        world_size: int,
+        replicas: int = 1,
+        local: bool = False,
     ) -> None:
         self.base = base
         self.virtual_batches = virtual_batches
         self.world_size = world_size  # the shard group's
         self.replicas = replicas  # HYBRID_SHARD: the shard group's blocks meet across replicas
-        self.tree = canonical.TreeSum(virtual_batches // (world_size * replicas))  # block sums
+        per_rank = virtual_batches // (world_size * replicas)  # micro-batches per rank and step
+        # The "local" schedule: a rank's micro-batches are adjacent leaves, summed here, unsharded,
+        # and reduced once per step; else each one is reduced and its block sums climb ``tree``.
+        self.local = canonical.TreeSum(per_rank) if local else None
+        self._local_had: list[bool] | None = None  # which params had a gradient in any leaf
+        self.tree = canonical.TreeSum(1 if local else per_rank)
         # Gradients landed on parameters autograd accumulates into (plain NO_SHARD's): a
         # backward must not find one there (Note [Canonical leaves]).
         self.landed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
@@ -363,11 +373,17 @@ class CanonicalReduction(Reduction):
     def piece_numel(self, p: Param) -> int:
         return self.base.piece_numel(p)
 
-    def pack(self, unit, grads, had_grad, dtype):
-        # Note [Canonical leaves]: each backward's gradient must be one leaf. Where autograd
-        # accumulates into the parameter itself (plain NO_SHARD: forward runs on it), the
-        # gradient is taken off once packed, or the next micro-batch's would add to it; and one
-        # landed last step and not zeroed would be summed into this step's first leaf.
+    def leaf(
+        self, unit: ShardedUnit, grads: list[torch.Tensor | None]
+    ) -> list[torch.Tensor | None] | None:
+        """One backward's gradients, the unit's leaf: what to reduce now, or None while the
+        local schedule's sum of this rank's leaves is not complete.
+
+        Note [Canonical leaves]: each backward's gradient must be one leaf. Where autograd
+        accumulates into the parameter itself (plain NO_SHARD: forward runs on it), the gradient
+        is taken off the parameter, or the next micro-batch's would add to it; and one landed
+        last step and not zeroed would be summed into this step's first leaf.
+        """
         for p in unit.trainable:
             if p.unsharded_param is p.sharded_param and p.sharded_param.grad is not None:
                 if p.sharded_param.grad in self.landed:
@@ -376,10 +392,50 @@ class CanonicalReduction(Reduction):
                         "gradient; in the canonical reduction mode call optimizer.zero_grad() "
                         "(set_to_none, its default) between steps"
                     )
-        buffer = self.base.pack(unit, grads, had_grad, dtype)
+        if self.local is None:
+            return grads  # pack copies them before the whole ones are taken off
+        dtype = unit.precision.reduce_dtype or next(
+            (g.dtype for g in grads if g is not None), torch.float32
+        )
+        flat = torch.cat(
+            [
+                (g if g is not None else torch.zeros(p.orig_size, device=unit.compute_device))
+                .reshape(-1)
+                .to(dtype)
+                for g, p in zip(grads, unit.trainable)
+            ]
+        )
+        self._take_whole_off(unit)
+        had = [g is not None for g in grads]
+        self._local_had = (
+            had if self._local_had is None else [a or b for a, b in zip(self._local_had, had)]
+        )
+        total = self.local.push(flat)
+        if total is None:
+            return None
+        pieces = total.split([p.numel for p in unit.trainable])
+        had, self._local_had = self._local_had, None
+        return [
+            piece.view(p.orig_size) if used else None
+            for piece, p, used in zip(pieces, unit.trainable, had)
+        ]
+
+    def clear(self) -> None:
+        """Drop the partial sums (a step that raised)."""
+        self.tree.clear()
+        if self.local is not None:
+            self.local.clear()
+        self._local_had = None
+
+    @staticmethod
+    def _take_whole_off(unit: ShardedUnit) -> None:
         for p in unit.trainable:
             if p.unsharded_param is p.sharded_param:
                 p.sharded_param.grad = None
+
+    def pack(self, unit, grads, had_grad, dtype):
+        buffer = self.base.pack(unit, grads, had_grad, dtype)
+        self._take_whole_off(unit)
         pad = -buffer.numel() % self.world_size  # AllReduce's buffer: N equal chunks
         return torch.cat([buffer, buffer.new_zeros(pad)]) if pad else buffer
 
@@ -581,16 +637,17 @@ class ShardedUnit:
             slice(first, first + per),  # this rank's rows to keep
         )
 
-    def use_canonical(self, virtual_batches: int) -> None:
+    def use_canonical(self, virtual_batches: int, local: bool = False) -> None:
         """Reduce in the world-size-invariant tree of ``virtual_batches`` leaves per step
-        (``CanonicalReduction``); called before the first backward, on every rank."""
+        (``CanonicalReduction``; ``local``: its local schedule); called before the first
+        backward, on every rank."""
         base = (
             self.reduction.base
             if isinstance(self.reduction, CanonicalReduction)
             else self.reduction
         )
         replicas = dist.get_world_size(self.replicate_group) if self.replicate_group else 1
-        self.reduction = CanonicalReduction(base, virtual_batches, self.world_size, replicas)
+        self.reduction = CanonicalReduction(base, virtual_batches, self.world_size, replicas, local)
 
     def after_apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """``nn.Module._apply(fn)`` ran and the shards were taken back
@@ -775,7 +832,7 @@ class ShardedUnit:
             p.drop_unsharded_grad()
         self._partial_reduce_output = None
         if isinstance(self.reduction, CanonicalReduction):
-            self.reduction.tree.clear()
+            self.reduction.clear()
         self._to_sharded()
         self.training_state = TrainingState.IDLE
 
@@ -836,6 +893,10 @@ class ShardedUnit:
         if not self.trainable:
             return None
         grads = [p.take_unsharded_grad() for p in self.trainable]
+        if isinstance(self.reduction, CanonicalReduction):
+            grads = self.reduction.leaf(self, grads)
+            if grads is None:  # the local schedule: more of this rank's leaves to come
+                return None
         streams = self.runtime.streams if self.runtime is not None else None
         side = streams.reduce if streams is not None else None
         with self._queued_on(side), self._label(self.reduction.kind):
