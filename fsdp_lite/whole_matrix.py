@@ -1,0 +1,296 @@
+"""Whole-matrix functions of sharded parameters: one owner rank per matrix, batched traffic.
+
+An optimizer such as Muon (Newton-Schulz) or a Shampoo-like preconditioner needs each weight
+matrix whole, while FSDP leaves every rank 1/N of its rows. ``WholeMatrix`` chooses, once, one
+owner rank per sharded matrix, and then maps a function over whole matrices:
+
+    every rank      packs its rows of each matrix, owner by owner, into one buffer
+    all_to_all #1   each owner receives every rank's rows of the matrices it owns
+    owner           cats them into the whole matrix and runs fn(param, whole) on it
+    all_to_all #2   each rank receives its rows of every result
+    every rank      unpacks them: the result, cut as its shard is
+
+Two ``all_to_all_single`` per bucket (the matrices of one process group and one dtype) per call,
+whatever the number of matrices. gloo (CPU) and NCCL both take ``all_to_all_single`` with uneven
+splits, so there is one path for every device.
+
+Owners: the matrices of one process group, largest cost first (ties in parameter order), each to
+the least loaded rank so far (ties to the lowest rank); cost defaults to Newton-Schulz's,
+``m * n * min(m, n)``. Every rank computes the same placement from the shapes alone.
+
+A parameter that is not a DTensor, or is replicated on every mesh dim (NO_SHARD), is whole on
+every rank: fn runs there, no traffic. HSDP's replicas each run their own exchange within
+their shard group (the mesh dim with ``Shard``), each owner computing for its replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_lite.engine.observe import Collective, Observer
+
+__all__ = ["WholeMatrix", "newton_schulz_cost"]
+
+WholeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def newton_schulz_cost(shape: torch.Size) -> int:
+    """Newton-Schulz's flops up to a constant, ``m * n * min(m, n)``: the default cost."""
+    m, n = shape[0], shape[1]
+    return m * n * min(m, n)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one sharded matrix lies across its shard group, and which rank of it owns it."""
+
+    group: dist.ProcessGroup  # the shard group: the mesh dim with Shard
+    rank: int  # this rank in ``group``
+    shard_dim: int  # the tensor dim cut (0: rows, 1: columns)
+    sizes: tuple[int, ...]  # each group rank's extent along shard_dim (torch.chunk's cut)
+    shape: torch.Size  # the whole matrix
+    owner: int  # the owner's rank in ``group``
+
+    def piece_shape(self, rank: int) -> tuple[int, ...]:
+        shape = list(self.shape)
+        shape[self.shard_dim] = self.sizes[rank]
+        return tuple(shape)
+
+    def piece_numel(self, rank: int) -> int:
+        return self.shape.numel() // self.shape[self.shard_dim] * self.sizes[rank]
+
+
+class WholeMatrix:
+    """Owner placement for ``params`` (chosen here, once), and ``map``: a function of each whole
+    matrix, run on its owner, its result handed back cut as the parameter is.
+
+    Args:
+        params: the parameters (DTensor shards, or plain tensors held whole).
+        cost: a parameter's shape -> its cost, balanced across ranks. Default
+            ``newton_schulz_cost``.
+        name: how messages name the caller. Default ``"fsdp_lite.WholeMatrix"``.
+
+    Example, a function of whole matrices that is not Muon::
+
+        whole = fsdp_lite.WholeMatrix(model.parameters())
+        grads = [p.grad for p in model.parameters()]
+        updates = whole.map(lambda p, g: inverse_root(g), model.parameters(), grads)
+        # updates[i]: a DTensor laid out as params[i], each rank's rows of inverse_root(whole grad)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        cost: Callable[[torch.Size], int] = newton_schulz_cost,
+        name: str = "fsdp_lite.WholeMatrix",
+    ) -> None:
+        self.name = name
+        self.observers: list[Observer] = []
+        pending: dict[dist.ProcessGroup, list[tuple[torch.Tensor, dict]]] = {}
+        for param in params:
+            spec = self._spec(param)
+            if spec is not None:
+                pending.setdefault(spec["group"], []).append((param, spec))
+        self.layouts: dict[torch.Tensor, Layout] = {}
+        for group, members in pending.items():
+            owners = _balance([cost(p.shape) for p, _ in members], dist.get_world_size(group))
+            for (param, spec), owner in zip(members, owners):
+                self.layouts[param] = Layout(**spec, shape=param.shape, owner=owner)
+
+    def owner(self, param: torch.Tensor) -> int | None:
+        """The rank (in its shard group) that computes ``param``'s matrix; None: every rank."""
+        layout = self.layouts.get(param)
+        return None if layout is None else layout.owner
+
+    def watch(self, observer: Observer) -> None:
+        """Tell ``observer`` of each exchange (kind ``all_to_all``, phase ``gather``/``scatter``)."""
+        self.observers.append(observer)
+
+    def unwatch(self, observer: Observer) -> None:
+        self.observers.remove(observer)
+
+    def map(
+        self,
+        fn: WholeFn,
+        params: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        out_dtype: torch.dtype | None = None,
+    ) -> list[torch.Tensor]:
+        """``fn(param, whole input)`` for each of ``params``, on its owner; each rank gets its rows.
+
+        Args:
+            fn: the whole input matrix (its owner's own tensor, free to change in place) ->
+                a result of the same shape. Runs on the owner only (on every rank for a
+                parameter held whole), so state it keeps lives on the owner.
+            params: parameters given at construction, in the same order on every rank.
+            inputs: one tensor per parameter, laid out as it (a DTensor with its placements, or
+                its local shard, or the whole tensor for a parameter held whole).
+            out_dtype: the results' dtype (the owner casts to it); default each input's dtype.
+
+        Returns:
+            One result per parameter: its rows of ``fn``'s result, a DTensor where the
+            parameter is one (a plain tensor otherwise).
+        """
+        params = list(params)
+        results: list[torch.Tensor | None] = [None] * len(params)
+        buckets: dict[tuple, list[int]] = {}
+        locals_ = []
+        for i, (param, value) in enumerate(zip(params, inputs)):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            locals_.append(local)
+            layout = self.layouts.get(param)
+            if layout is None:
+                if self._spec(param) is not None:
+                    raise ValueError(f"{self.name}: a sharded parameter it was not built with")
+                results[i] = self._wrap(param, fn(param, local).to(out_dtype or local.dtype))
+                continue
+            if local.shape != layout.piece_shape(layout.rank):
+                raise ValueError(
+                    f"{self.name}: an input of shape {tuple(local.shape)} for a parameter whose "
+                    f"shard here is {layout.piece_shape(layout.rank)}"
+                )
+            buckets.setdefault((layout.group, local.dtype), []).append(i)
+        for (group, dtype), members in buckets.items():
+            out = self._exchange(fn, group, dtype, out_dtype or dtype, params, locals_, members)
+            for i, local in zip(members, out):
+                results[i] = self._wrap(params[i], local)
+        return results  # type: ignore[return-value]
+
+    # ---- the exchange ---------------------------------------------------------------------------
+
+    def _exchange(self, fn, group, dtype, out_dtype, params, locals_, members) -> list:
+        """One bucket: gather to owners, fn there, scatter back; two all_to_all_single."""
+        layouts = [self.layouts[params[i]] for i in members]
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        owned = [k for k, lay in enumerate(layouts) if lay.owner == me]
+        by_owner = [[k for k, lay in enumerate(layouts) if lay.owner == o] for o in range(size)]
+
+        # Gather: this rank's rows of every matrix, owner by owner; each owner gets, source by
+        # source, that source's rows of the matrices it owns.
+        send = [locals_[members[k]].reshape(-1) for o in range(size) for k in by_owner[o]]
+        send_splits = [sum(layouts[k].piece_numel(me) for k in by_owner[o]) for o in range(size)]
+        recv_splits = [sum(layouts[k].piece_numel(s) for k in owned) for s in range(size)]
+        device = locals_[members[0]].device
+        received = self._all_to_all(
+            "gather", group, _cat(send, dtype, device), send_splits, recv_splits
+        )
+        wholes = _unpack(received, recv_splits, owned, layouts, transposed=True)
+
+        # The owners' math, then each rank's rows of each result, rank by rank.
+        pieces = []
+        for k in owned:
+            lay = layouts[k]
+            result = fn(params[members[k]], wholes[k]).to(out_dtype)
+            if result.shape != lay.shape:
+                raise ValueError(
+                    f"{self.name}: fn returned shape {tuple(result.shape)} for a "
+                    f"{tuple(lay.shape)} matrix"
+                )
+            pieces.append(result.split(lay.sizes, dim=lay.shard_dim))
+        send = [pieces[j][r].reshape(-1) for r in range(size) for j in range(len(owned))]
+        send_splits = [sum(layouts[k].piece_numel(r) for k in owned) for r in range(size)]
+        recv_splits = [sum(layouts[k].piece_numel(me) for k in by_owner[o]) for o in range(size)]
+        received = self._all_to_all(
+            "scatter", group, _cat(send, out_dtype, device), send_splits, recv_splits
+        )
+        mine = _unpack(received, recv_splits, by_owner, layouts, transposed=False, me=me)
+        return [mine[k] for k in range(len(layouts))]
+
+    def _all_to_all(self, phase, group, send, send_splits, recv_splits) -> torch.Tensor:
+        received = send.new_empty(sum(recv_splits))
+        op = Collective(
+            "all_to_all", "<optimizer>", phase, -1, group, send.dtype, send.numel(), send.device
+        )
+        for observer in self.observers:
+            observer.issued(op)
+        dist.all_to_all_single(received, send, recv_splits, send_splits, group=group)
+        for observer in self.observers:
+            observer.waited(op)
+        return received
+
+    # ---- layouts --------------------------------------------------------------------------------
+
+    def _spec(self, param: torch.Tensor) -> dict | None:
+        """The shard group, rank and cut of a DTensor parameter; None where it is held whole."""
+        if not isinstance(param, DTensor):
+            return None
+        placements = param.placements
+        sharded = [d for d, pl in enumerate(placements) if type(pl) is Shard]
+        if any(type(pl) not in (Shard, Replicate) for pl in placements) or len(sharded) > 1:
+            raise NotImplementedError(
+                f"{self.name} on a parameter with placements {placements}: only Shard and "
+                "Replicate placements are built (not tensor parallel's strided or partial ones)"
+            )
+        if param.ndim != 2:
+            raise ValueError(f"{self.name}: a sharded parameter of shape {tuple(param.shape)}")
+        if not sharded:
+            return None
+        mesh, dim = param.device_mesh, sharded[0]
+        shard_dim, n = placements[dim].dim % 2, mesh.size(dim)
+        extent = param.shape[shard_dim]
+        chunk = -(-extent // n)  # torch.chunk's cut, which DTensor's Shard follows
+        sizes = tuple(max(0, min(extent, (r + 1) * chunk) - r * chunk) for r in range(n))
+        return {
+            "group": mesh.get_group(dim),
+            "rank": mesh.get_local_rank(dim),
+            "shard_dim": shard_dim,
+            "sizes": sizes,
+        }
+
+    def _wrap(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        if not isinstance(param, DTensor):
+            return local
+        return DTensor.from_local(
+            local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+
+def _balance(costs: list[int], ranks: int) -> list[int]:
+    """Greedy: largest cost first (ties: the earlier one), to the least loaded rank (ties: lowest)."""
+    load, owners = [0] * ranks, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owners[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[owners[i]] += costs[i]
+    return owners
+
+
+def _cat(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
+
+
+def _unpack(received, splits, who, layouts, *, transposed: bool, me: int = 0) -> dict:
+    """Cut a received buffer into its pieces.
+
+    transposed (the gather, on an owner): the buffer is source by source, each source's rows of
+    every owned matrix (``who``: the owned indices); returns each owned matrix whole.
+    Otherwise (the scatter): the buffer is owner by owner, each owner's results for this rank
+    (``who[o]``: the matrices of owner o); returns this rank's rows of each.
+    """
+    out, offset = {}, 0
+    if transposed:
+        parts: dict[int, list[torch.Tensor]] = {k: [] for k in who}
+        for source in range(len(splits)):
+            for k in who:
+                numel = layouts[k].piece_numel(source)
+                piece = received[offset : offset + numel].view(layouts[k].piece_shape(source))
+                parts[k].append(piece)
+                offset += numel
+        for k in who:
+            out[k] = torch.cat(parts[k], dim=layouts[k].shard_dim)
+        return out
+    for owner in range(len(splits)):
+        for k in who[owner]:
+            numel = layouts[k].piece_numel(me)
+            out[k] = received[offset : offset + numel].view(layouts[k].piece_shape(me))
+            offset += numel
+    return out
