@@ -97,15 +97,37 @@ class WholeMatrix:
             if spec is not None:
                 pending.setdefault(spec["group"], []).append((param, spec))
         self.layouts: dict[torch.Tensor, Layout] = {}
+        self.costs: dict[torch.Tensor, int] = {}
         for group, members in pending.items():
-            owners = _balance([cost(p.shape) for p, _ in members], dist.get_world_size(group))
-            for (param, spec), owner in zip(members, owners):
+            costs = [cost(p.shape) for p, _ in members]
+            owners = _balance(costs, dist.get_world_size(group))
+            for (param, spec), owner, c in zip(members, owners, costs):
                 self.layouts[param] = Layout(**spec, shape=param.shape, owner=owner)
+                self.costs[param] = c
 
     def owner(self, param: torch.Tensor) -> int | None:
         """The rank (in its shard group) that computes ``param``'s matrix; None: every rank."""
         layout = self.layouts.get(param)
         return None if layout is None else layout.owner
+
+    def explain(self, names: dict[torch.Tensor, str] | None = None) -> str:
+        """The owner placement as a table: each sharded matrix's shape, cut, owner and cost, then
+        each rank's load (``names``: parameter -> name, e.g. from ``named_parameters()``)."""
+        names = names or {}
+        lines, loads = [], {}
+        for i, (param, lay) in enumerate(self.layouts.items()):
+            cost = self.costs[param]
+            ranks = dist.get_process_group_ranks(lay.group)
+            loads.setdefault(tuple(ranks), [0] * len(ranks))[lay.owner] += cost
+            shape = "x".join(map(str, lay.shape))
+            cut = "/".join(map(str, lay.sizes))
+            lines.append(
+                f"  {names.get(param, f'#{i}'):<28} {shape:>10}  dim {lay.shard_dim} cut "
+                f"{cut:<12} owner {lay.owner}  cost {cost}"
+            )
+        for ranks, load in loads.items():
+            lines.append(f"  load of group {list(ranks)}: {load}")
+        return "\n".join([f"{self.name}: {len(self.layouts)} sharded matrices", *lines])
 
     def watch(self, observer: Observer) -> None:
         """Tell ``observer`` of each exchange (kind ``all_to_all``, phase ``gather``/``scatter``)."""
@@ -228,9 +250,10 @@ class WholeMatrix:
             )
         if param.ndim != 2:
             raise ValueError(f"{self.name}: a sharded parameter of shape {tuple(param.shape)}")
-        if not sharded:
+        mesh = param.device_mesh
+        if not sharded or mesh.size(sharded[0]) == 1:
             return None
-        mesh, dim = param.device_mesh, sharded[0]
+        dim = sharded[0]
         shard_dim, n = placements[dim].dim % 2, mesh.size(dim)
         extent = param.shape[shard_dim]
         chunk = -(-extent // n)  # torch.chunk's cut, which DTensor's Shard follows

@@ -1,7 +1,10 @@
 """fsdp_lite.muon.Muon on sharded parameters: bitwise DDP + torch.optim.Muon (the single-device math
 on the same averaged gradient), parameters and momentum, after 5 steps: FSDP1 front FULL_SHARD,
-SHARD_GRAD_OP, NO_SHARD, SHARD_OPTIM and fully_shard at 2 ranks, HSDP (2 x 2) at 4; tall, wide,
-square and unevenly divided matrices. torch's own Muon on torch FSDP2's shards is measurably off."""
+SHARD_GRAD_OP, NO_SHARD, SHARD_OPTIM and fully_shard (rows or columns cut) at 2 ranks; the same
+and HSDP (2 x 2) at 4 ranks against torch's Muon fed the same averaged gradients; tall, wide,
+square and unevenly divided matrices. Two collectives per optimizer step; a user function of the
+whole matrix (fsdp_lite.WholeMatrix) exact too. torch's own Muon on torch FSDP2's shards is
+measurably off."""
 
 from __future__ import annotations
 
@@ -190,6 +193,8 @@ def _whole_matrix_hook(rank: int, world_size: int) -> None:
     # Greedy by m*n*min(m,n): 6144, 6144, 200, 63: largest first to the least loaded, ties low.
     expected = {2: [0, 1, 0, 1], 4: [0, 1, 2, 3]}[world_size]
     assert [whole.owner(p) for p in params] == expected + [None, None]
+    loads = {2: [6344, 6207], 4: [6144, 6144, 200, 63]}[world_size]
+    assert whole.explain().endswith(f"load of group {list(range(world_size))}: {loads}")
     calls = []
 
     def fn(param: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
