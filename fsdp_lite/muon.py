@@ -40,9 +40,17 @@ class Muon(TorchMuon):
 
     whole: WholeMatrix
 
+    def __init__(self, params, *args, **kwargs) -> None:
+        super().__init__(params, *args, **kwargs)  # torch's checks first (2-D, arguments)
+        self._place_owners()
+
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the owner placement over every parameter again (the same on all ranks)."""
         super().add_param_group(param_group)
+        if hasattr(self, "whole"):  # after construction
+            self._place_owners()
+
+    def _place_owners(self) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         observers = self.whole.observers if hasattr(self, "whole") else []
         self.whole = WholeMatrix(params, name="fsdp_lite.Muon")

@@ -168,13 +168,17 @@ class WholeMatrix:
             layout = self.layouts.get(param)
             if layout is None:
                 if self._spec(param) is not None:
-                    raise ValueError(f"{self.name}: a sharded parameter it was not built with")
+                    raise ValueError(
+                        f"{self.name}.map: a sharded parameter not among those it was built "
+                        "with (owners are placed at construction)"
+                    )
                 results[i] = self._wrap(param, fn(param, local).to(out_dtype or local.dtype))
                 continue
             if local.shape != layout.piece_shape(layout.rank):
                 raise ValueError(
-                    f"{self.name}: an input of shape {tuple(local.shape)} for a parameter whose "
-                    f"shard here is {layout.piece_shape(layout.rank)}"
+                    f"{self.name}.map: an input of local shape {tuple(local.shape)} for a "
+                    f"parameter whose shard here is {layout.piece_shape(layout.rank)}; inputs "
+                    "are laid out as their parameters"
                 )
             buckets.setdefault((layout.group, local.dtype), []).append(i)
         for (group, dtype), members in buckets.items():
@@ -208,7 +212,7 @@ class WholeMatrix:
         for k in owned:
             lay = layouts[k]
             result = fn(params[members[k]], wholes[k]).to(out_dtype)
-            if result.shape != lay.shape:
+            if result.shape != lay.shape:  # on the owner: the others wait in the scatter
                 raise ValueError(
                     f"{self.name}: fn returned shape {tuple(result.shape)} for a "
                     f"{tuple(lay.shape)} matrix"
@@ -243,16 +247,24 @@ class WholeMatrix:
             return None
         placements = param.placements
         sharded = [d for d, pl in enumerate(placements) if type(pl) is Shard]
-        if any(type(pl) not in (Shard, Replicate) for pl in placements) or len(sharded) > 1:
+        if any(type(pl) not in (Shard, Replicate) for pl in placements):
             raise NotImplementedError(
                 f"{self.name} on a parameter with placements {placements}: only Shard and "
                 "Replicate placements are built (not tensor parallel's strided or partial ones)"
             )
-        if param.ndim != 2:
-            raise ValueError(f"{self.name}: a sharded parameter of shape {tuple(param.shape)}")
+        if len(sharded) > 1:
+            raise NotImplementedError(
+                f"{self.name} on a parameter with placements {placements}: a matrix cut on "
+                "several mesh dims (tensor parallel's and FSDP's) is not built"
+            )
         mesh = param.device_mesh
         if not sharded or mesh.size(sharded[0]) == 1:
             return None
+        if param.ndim != 2:
+            raise ValueError(
+                f"{self.name}: a sharded parameter of shape {tuple(param.shape)}; only matrices "
+                "(2-D) are built"
+            )
         dim = sharded[0]
         shard_dim, n = placements[dim].dim % 2, mesh.size(dim)
         extent = param.shape[shard_dim]
