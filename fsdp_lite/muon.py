@@ -14,11 +14,12 @@ Newton-Schulz on the whole update:
     all_to_all #2           each rank receives its rows of the results (bf16)
     every rank              weight decay and the update on its shard         (as torch, elementwise)
 
-two collectives per step for all the matrices of one process group, so every parameter and
+two collectives per step for all the matrices of one process group (per bucket, with
+``bucket_numel``: then a bucket's traffic runs while the owners compute another's), so every
+parameter and
 momentum buffer is bitwise what DDP + ``torch.optim.Muon`` gives (the same averaged gradient, the
 same single-device math). Plain (unsharded) and replicated parameters take torch's path, no
-traffic. Not yet: tensor-parallel matrices (refused), overlap of the exchange with the owners'
-compute (one bucket per process group).
+traffic. Not yet: tensor-parallel matrices (refused).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class Muon(TorchMuon):
 
     whole: WholeMatrix
 
-    def __init__(self, params, *args, **kwargs) -> None:
+    def __init__(self, params, *args, bucket_numel: int | None = None, **kwargs) -> None:
+        """torch's arguments; ``bucket_numel``: ``WholeMatrix``'s (default: one bucket)."""
+        self._bucket_numel = bucket_numel
         super().__init__(params, *args, **kwargs)  # torch's checks first (2-D, arguments)
         self._place_owners()
 
@@ -53,7 +56,7 @@ class Muon(TorchMuon):
     def _place_owners(self) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         observers = self.whole.observers if hasattr(self, "whole") else []
-        self.whole = WholeMatrix(params, name="fsdp_lite.Muon")
+        self.whole = WholeMatrix(params, name="fsdp_lite.Muon", bucket_numel=self._bucket_numel)
         self.whole.observers.extend(observers)
 
     def watch(self, observer: Observer) -> None:

@@ -10,8 +10,11 @@ owner rank per sharded matrix, and then maps a function over whole matrices:
     all_to_all #2   each rank receives its rows of every result
     every rank      unpacks them: the result, cut as its shard is
 
-Two ``all_to_all_single`` per bucket (the matrices of one process group and one dtype) per call,
-whatever the number of matrices. gloo (CPU) and NCCL both take ``all_to_all_single`` with uneven
+Two ``all_to_all_single`` per bucket (the matrices of one process group and one dtype, cut into
+``bucket_numel`` pieces if asked) per call, whatever the number of matrices. Every bucket's
+gather is issued first, and each bucket's scatter as soon as its owners are done, so one
+bucket's traffic runs while the owners compute another's (asynchronous collectives: gloo's
+threads, NCCL's stream). gloo (CPU) and NCCL both take ``all_to_all_single`` with uneven
 splits, so there is one path for every device.
 
 Owners: the matrices of one process group, largest cost first (ties in parameter order), each to
@@ -26,7 +29,7 @@ their shard group (the mesh dim with ``Shard``), each owner computing for its re
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,42 @@ def newton_schulz_cost(shape: torch.Size) -> int:
     """Newton-Schulz's flops up to a constant, ``m * n * min(m, n)``: the default cost."""
     m, n = shape[0], shape[1]
     return m * n * min(m, n)
+
+
+@dataclass
+class _InFlight:
+    """One exchange issued: wait on ``work`` before reading ``received``."""
+
+    op: Collective
+    work: dist.Work
+    send: torch.Tensor  # kept alive until the exchange is done
+    received: torch.Tensor
+    recv_splits: list[int]
+
+
+@dataclass
+class _Bucket:
+    """Matrices of one group and dtype exchanged together: one gather and one scatter."""
+
+    group: dist.ProcessGroup
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    members: list[int]  # indices into map's params
+    layouts: list[Layout]  # of each member
+    size: int = field(init=False)
+    me: int = field(init=False)
+    owned: list[int] = field(init=False)  # positions in members this rank owns
+    by_owner: list[list[int]] = field(init=False)  # positions in members, per owner
+    device: torch.device | None = None
+    gather: _InFlight | None = None
+    scatter: _InFlight | None = None
+
+    def __post_init__(self) -> None:
+        self.size, self.me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.owned = [k for k, lay in enumerate(self.layouts) if lay.owner == self.me]
+        self.by_owner = [
+            [k for k, lay in enumerate(self.layouts) if lay.owner == o] for o in range(self.size)
+        ]
 
 
 @dataclass(frozen=True)
@@ -74,6 +113,9 @@ class WholeMatrix:
         cost: a parameter's shape -> its cost, balanced across ranks. Default
             ``newton_schulz_cost``.
         name: how messages name the caller. Default ``"fsdp_lite.WholeMatrix"``.
+        bucket_numel: at most this many whole-matrix elements per bucket (consecutive matrices;
+            a larger one alone), so that one bucket's traffic runs while the owners compute
+            another's. Default None: one bucket per process group and dtype.
 
     Example, a function of whole matrices that is not Muon::
 
@@ -88,8 +130,10 @@ class WholeMatrix:
         params: Iterable[torch.Tensor],
         cost: Callable[[torch.Size], int] = newton_schulz_cost,
         name: str = "fsdp_lite.WholeMatrix",
+        bucket_numel: int | None = None,
     ) -> None:
         self.name = name
+        self.bucket_numel = bucket_numel
         self.observers: list[Observer] = []
         pending: dict[dist.ProcessGroup, list[tuple[torch.Tensor, dict]]] = {}
         for param in params:
@@ -160,7 +204,7 @@ class WholeMatrix:
         """
         params = list(params)
         results: list[torch.Tensor | None] = [None] * len(params)
-        buckets: dict[tuple, list[int]] = {}
+        by_key: dict[tuple, list[int]] = {}
         locals_ = []
         for i, (param, value) in enumerate(zip(params, inputs)):
             local = value.to_local() if isinstance(value, DTensor) else value
@@ -180,64 +224,119 @@ class WholeMatrix:
                     f"parameter whose shard here is {layout.piece_shape(layout.rank)}; inputs "
                     "are laid out as their parameters"
                 )
-            buckets.setdefault((layout.group, local.dtype), []).append(i)
-        for (group, dtype), members in buckets.items():
-            out = self._exchange(fn, group, dtype, out_dtype or dtype, params, locals_, members)
-            for i, local in zip(members, out):
+            by_key.setdefault((layout.group, local.dtype), []).append(i)
+        buckets = [
+            _Bucket(
+                group,
+                dtype,
+                out_dtype or dtype,
+                members,
+                [self.layouts[params[i]] for i in members],
+            )
+            for (group, dtype), indices in by_key.items()
+            for members in self._split(params, indices)
+        ]
+        # Every gather first, then per bucket: wait for its gather, the owners' math, its scatter
+        # issued; so a bucket's traffic runs while the owners compute another's.
+        for bucket in buckets:
+            self._gather(bucket, locals_)
+        for bucket in buckets:
+            self._compute_and_scatter(bucket, fn, params)
+        for bucket in buckets:
+            for i, local in zip(bucket.members, self._unpack_scatter(bucket)):
                 results[i] = self._wrap(params[i], local)
         return results  # type: ignore[return-value]
 
     # ---- the exchange ---------------------------------------------------------------------------
 
-    def _exchange(self, fn, group, dtype, out_dtype, params, locals_, members) -> list:
-        """One bucket: gather to owners, fn there, scatter back; two all_to_all_single."""
-        layouts = [self.layouts[params[i]] for i in members]
-        size, me = dist.get_world_size(group), dist.get_rank(group)
-        owned = [k for k, lay in enumerate(layouts) if lay.owner == me]
-        by_owner = [[k for k, lay in enumerate(layouts) if lay.owner == o] for o in range(size)]
+    def _split(self, params: list[torch.Tensor], indices: list[int]) -> list[list[int]]:
+        """Consecutive buckets of at most ``bucket_numel`` whole-matrix elements (one matrix at
+        least); one bucket when ``bucket_numel`` is None."""
+        if self.bucket_numel is None:
+            return [indices]
+        buckets: list[list[int]] = [[]]
+        numel = 0
+        for i in indices:
+            if buckets[-1] and numel + params[i].numel() > self.bucket_numel:
+                buckets.append([])
+                numel = 0
+            buckets[-1].append(i)
+            numel += params[i].numel()
+        return buckets
 
-        # Gather: this rank's rows of every matrix, owner by owner; each owner gets, source by
-        # source, that source's rows of the matrices it owns.
-        send = [locals_[members[k]].reshape(-1) for o in range(size) for k in by_owner[o]]
-        send_splits = [sum(layouts[k].piece_numel(me) for k in by_owner[o]) for o in range(size)]
-        recv_splits = [sum(layouts[k].piece_numel(s) for k in owned) for s in range(size)]
-        device = locals_[members[0]].device
-        received = self._all_to_all(
-            "gather", group, _cat(send, dtype, device), send_splits, recv_splits
+    def _gather(self, bucket: _Bucket, locals_: list[torch.Tensor]) -> None:
+        """Issue the bucket's gather: this rank's rows of every matrix, owner by owner; each owner
+        receives, source by source, that source's rows of the matrices it owns."""
+        lays, size, me = bucket.layouts, bucket.size, bucket.me
+        send = [
+            locals_[bucket.members[k]].reshape(-1) for o in range(size) for k in bucket.by_owner[o]
+        ]
+        send_splits = [
+            sum(lays[k].piece_numel(me) for k in bucket.by_owner[o]) for o in range(size)
+        ]
+        recv_splits = [sum(lays[k].piece_numel(s) for k in bucket.owned) for s in range(size)]
+        bucket.device = locals_[bucket.members[0]].device
+        bucket.gather = self._all_to_all(
+            "gather", bucket, _cat(send, bucket.dtype, bucket.device), send_splits, recv_splits
         )
-        wholes = _unpack(received, recv_splits, owned, layouts, transposed=True)
 
-        # The owners' math, then each rank's rows of each result, rank by rank.
+    def _compute_and_scatter(self, bucket: _Bucket, fn: WholeFn, params: list) -> None:
+        """Wait for the bucket's gather, run fn on each owned matrix, issue the scatter: each
+        rank's rows of each result, rank by rank."""
+        received, splits = self._wait(bucket.gather)
+        wholes = _unpack(received, splits, bucket.owned, bucket.layouts, transposed=True)
         pieces = []
-        for k in owned:
-            lay = layouts[k]
-            result = fn(params[members[k]], wholes[k]).to(out_dtype)
+        for k in bucket.owned:
+            lay = bucket.layouts[k]
+            result = fn(params[bucket.members[k]], wholes[k]).to(bucket.out_dtype)
             if result.shape != lay.shape:  # on the owner: the others wait in the scatter
                 raise ValueError(
                     f"{self.name}: fn returned shape {tuple(result.shape)} for a "
                     f"{tuple(lay.shape)} matrix"
                 )
             pieces.append(result.split(lay.sizes, dim=lay.shard_dim))
+        lays, size, me, owned = bucket.layouts, bucket.size, bucket.me, bucket.owned
         send = [pieces[j][r].reshape(-1) for r in range(size) for j in range(len(owned))]
-        send_splits = [sum(layouts[k].piece_numel(r) for k in owned) for r in range(size)]
-        recv_splits = [sum(layouts[k].piece_numel(me) for k in by_owner[o]) for o in range(size)]
-        received = self._all_to_all(
-            "scatter", group, _cat(send, out_dtype, device), send_splits, recv_splits
+        send_splits = [sum(lays[k].piece_numel(r) for k in owned) for r in range(size)]
+        recv_splits = [
+            sum(lays[k].piece_numel(me) for k in bucket.by_owner[o]) for o in range(size)
+        ]
+        bucket.scatter = self._all_to_all(
+            "scatter", bucket, _cat(send, bucket.out_dtype, bucket.device), send_splits, recv_splits
         )
-        mine = _unpack(received, recv_splits, by_owner, layouts, transposed=False, me=me)
-        return [mine[k] for k in range(len(layouts))]
 
-    def _all_to_all(self, phase, group, send, send_splits, recv_splits) -> torch.Tensor:
+    def _unpack_scatter(self, bucket: _Bucket) -> list[torch.Tensor]:
+        received, splits = self._wait(bucket.scatter)
+        mine = _unpack(
+            received, splits, bucket.by_owner, bucket.layouts, transposed=False, me=bucket.me
+        )
+        return [mine[k] for k in range(len(bucket.layouts))]
+
+    def _all_to_all(self, phase, bucket, send, send_splits, recv_splits) -> _InFlight:
         received = send.new_empty(sum(recv_splits))
         op = Collective(
-            "all_to_all", "<optimizer>", phase, -1, group, send.dtype, send.numel(), send.device
+            "all_to_all",
+            "<optimizer>",
+            phase,
+            -1,
+            bucket.group,
+            send.dtype,
+            send.numel(),
+            send.device,
         )
         for observer in self.observers:
             observer.issued(op)
-        dist.all_to_all_single(received, send, recv_splits, send_splits, group=group)
+        work = dist.all_to_all_single(
+            received, send, recv_splits, send_splits, group=bucket.group, async_op=True
+        )
+        return _InFlight(op, work, send, received, recv_splits)
+
+    def _wait(self, flight: _InFlight | None) -> tuple[torch.Tensor, list[int]]:
+        assert flight is not None
+        flight.work.wait()
         for observer in self.observers:
-            observer.waited(op)
-        return received
+            observer.waited(flight.op)
+        return flight.received, flight.recv_splits
 
     # ---- layouts --------------------------------------------------------------------------------
 

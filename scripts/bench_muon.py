@@ -9,7 +9,7 @@ issues (torch's CommDebugMode), and for ``fsdp_lite.Muon`` the numel and dtype e
 exchanges (fsdp_lite's trace) against the formula in docs/muon.md.
 
     python scripts/bench_muon.py [--world-size 2] [--steps 10] [--optim muon,adamw]
-        [--front fully_shard|fsdp1] [--layers 6] [--d-model 384] [--threads 1]
+        [--front fully_shard|fsdp1] [--layers 6] [--d-model 384] [--threads 1] [--bucket-numel N]
 
 To measure another commit's Muon, put its fsdp_lite first on PYTHONPATH (``git archive REF
 fsdp_lite | tar -x -C DIR``; PYTHONPATH=DIR:.): the script reads whatever ``fsdp_lite`` imports.
@@ -66,7 +66,8 @@ def build(args: argparse.Namespace, optim_name: str):
         fsdp_lite.fully_shard(model)
     matrices = [p for n, p in model.named_parameters() if "blocks." in n and p.ndim == 2]
     if optim_name == "muon":
-        optim = fsdp_lite.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw")
+        extra = {"bucket_numel": args.bucket_numel} if args.bucket_numel else {}
+        optim = fsdp_lite.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw", **extra)
     else:
         optim = torch.optim.AdamW(matrices, lr=1e-3)
     return cfg, model, optim, matrices
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--d-model", type=int, default=384)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--bucket-numel", type=int, default=0, help="Muon's bucket_numel (default 0: one bucket)"
+    )
     args = parser.parse_args(argv)
     print(f"fsdp_lite from {os.path.dirname(fsdp_lite.__file__)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:

@@ -8,6 +8,8 @@ measurably off."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
@@ -62,6 +64,15 @@ def _wrap(kind: str, model: nn.Module) -> nn.Module:
     return model
 
 
+# "fully_shard/buckets": Muon's exchanges cut into buckets of at most 400 whole-matrix elements,
+# [a 384], [b 384], [c 192 + d 56]: three gathers and three scatters a step, overlapped.
+BUCKETS = {"fully_shard/buckets": [[0], [1], [2, 3]]}
+
+
+def _muon(kind: str):
+    return functools.partial(Muon, bucket_numel=400) if kind in BUCKETS else Muon
+
+
 def _train(kind: str, optim_cls, rank: int):
     torch.manual_seed(0)
     model = _wrap(kind, Matrices())
@@ -98,7 +109,7 @@ def _exact(kind: str):
     def check(rank: int, world_size: int) -> None:
         if world_size not in _DDP:
             _DDP[world_size] = _train("ddp", torch.optim.Muon, rank)
-        ours = _train(kind, Muon, rank)
+        ours = _train(kind, _muon(kind), rank)
         _assert_bitwise(ours, _DDP[world_size], f"{kind} at {world_size} ranks")
 
     return check
@@ -111,6 +122,7 @@ KINDS = (
     "fsdp1/SHARD_OPTIM",
     "fully_shard",
     "fully_shard_dim1",
+    "fully_shard/buckets",
 )
 CHECKS = {kind: _exact(kind) for kind in KINDS}
 
@@ -129,18 +141,20 @@ CHECKS["torch_muon_on_torch_fsdp2_is_off"] = _torch_muon_on_shards_is_off
 
 
 def _collectives_per_step(rank: int, world_size: int) -> None:
-    """Each optimizer step: one all_to_all to the owners, one back, nothing else (counted by
-    torch's CommDebugMode, which sees every c10d collective, and by fsdp_lite's trace), moving
-    this rank's bf16 rows of every matrix out and its owned matrices' bf16 results back."""
+    """Each optimizer step: per bucket one all_to_all to the owners and one back, nothing else
+    (counted by torch's CommDebugMode, which sees every c10d collective, and by fsdp_lite's
+    trace), moving this rank's bf16 rows of the bucket's matrices out and its owned matrices'
+    bf16 results back; every gather issued before the first scatter."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     from fsdp_lite.trace import record_collectives
 
-    for kind in ("fully_shard", "fsdp1/FULL_SHARD"):
+    for kind in ("fully_shard", "fsdp1/FULL_SHARD", "fully_shard/buckets"):
         torch.manual_seed(0)
         model = _wrap(kind, Matrices())
-        optim = Muon(model.parameters(), **MUON)
+        optim = _muon(kind)(model.parameters(), **MUON)
         params = list(model.parameters())
+        buckets = BUCKETS.get(kind, [[0, 1, 2, 3]])
         with record_collectives(model, optim) as trace:
             for step in range(3):
                 g = torch.Generator().manual_seed(10 * step + rank)
@@ -149,16 +163,21 @@ def _collectives_per_step(rank: int, world_size: int) -> None:
                     optim.step()
                 optim.zero_grad()
                 counts = {str(op): n for op, n in comm.get_comm_counts().items()}
-                assert counts == {"c10d.alltoall_base_": 2}, (kind, step, counts)
+                assert counts == {"c10d.alltoall_base_": 2 * len(buckets)}, (kind, step, counts)
         exchanges = [r for r in trace.records if r.kind == "all_to_all"]
-        assert [(r.phase, r.step) for r in exchanges] == [
-            (phase, step) for step in range(3) for phase in ("gather", "scatter")
-        ], (kind, [(r.phase, r.step) for r in exchanges])
-        mine = sum(p.to_local().numel() for p in params)
-        owned = sum(p.numel() for p in params if optim.whole.owner(p) == rank)
-        for r in exchanges:
-            assert r.dtype == torch.bfloat16, r
-            assert r.numel == (mine if r.phase == "gather" else owned), (kind, r, mine, owned)
+        expected = []
+        for step in range(3):
+            for phase in ("gather", "scatter"):
+                for bucket in buckets:
+                    mine = sum(params[i].to_local().numel() for i in bucket)
+                    owned = sum(
+                        params[i].numel() for i in bucket if optim.whole.owner(params[i]) == rank
+                    )
+                    expected.append((phase, step, mine if phase == "gather" else owned))
+        got = [(r.phase, r.step, r.numel) for r in exchanges]
+        assert got == expected, (kind, got, expected)
+        assert all(r.dtype == torch.bfloat16 for r in exchanges)
+        assert all(r.end is not None and r.end >= r.start for r in exchanges)
 
 
 def _inverse_root(g: torch.Tensor) -> torch.Tensor:
@@ -230,7 +249,7 @@ def _same_gradients(kind: str):
         torch.manual_seed(0)
         model = _wrap(kind, Matrices())
         shadow = {n: nn.Parameter(_full(p)) for n, p in model.named_parameters()}
-        optim = Muon(model.parameters(), **MUON)
+        optim = _muon(kind)(model.parameters(), **MUON)
         reference = torch.optim.Muon(shadow.values(), **MUON)
         for step in range(5):
             g = torch.Generator().manual_seed(10 * step + rank)

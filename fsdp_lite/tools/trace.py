@@ -135,6 +135,9 @@ class CollectiveTrace(Observer):
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
     t0: float = field(default_factory=time.perf_counter, repr=False)
     _first_step: int | None = field(default=None, repr=False)  # the runtime's, at step 0
+    # The record of each collective issued and not yet waited on, by its Collective: several of
+    # one unit and kind may be in flight (an optimizer's bucketed exchanges).
+    _open: dict = field(default_factory=dict, repr=False)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -146,15 +149,21 @@ class CollectiveTrace(Observer):
         ``op.numel`` is this rank's input."""
         if op.step >= 0:
             self._at_step(op.step)
-        self.records.append(
-            CollectiveRecord(
-                op.kind, op.unit, op.phase, op.dtype, op.numel, self.step, start=self.now()
-            )
+        record = CollectiveRecord(
+            op.kind, op.unit, op.phase, op.dtype, op.numel, self.step, start=self.now()
         )
+        self.records.append(record)
+        self._open[op] = record
         self.sample(f"{op.kind} start {op.unit or '<root>'}")
 
     def waited(self, op: Collective) -> None:
-        """This rank's wait on the unit's latest open collective of ``op``'s kind returned."""
+        """This rank's wait on ``op`` returned (else on the unit's latest open collective of
+        ``op``'s kind)."""
+        record = self._open.pop(op, None)
+        if record is not None and record.end is None:
+            record.end = self.now()
+            self.sample(f"{op.kind} end {op.unit or '<root>'}")
+            return
         for r in reversed(self.records):
             if r.unit == op.unit and r.kind == op.kind and r.end is None:
                 r.end = self.now()
@@ -209,6 +218,7 @@ class CollectiveTrace(Observer):
         )
 
     def clear(self) -> None:
+        self._open.clear()
         self.records.clear()
         self.spans.clear()
         self.memory.clear()
