@@ -35,6 +35,7 @@ from fsdp_lite.fronts.fsdp2 import (
 )
 from fsdp_lite.muon import Muon
 from fsdp_lite.tools.order import set_collective_order_check
+from fsdp_lite.whole_matrix import WholeMatrix
 
 __all__ = [
     "BackwardPrefetch",
@@ -62,6 +63,7 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "UnshardHandle",
+    "WholeMatrix",
     "fully_shard",
     "register_fsdp_forward_method",
     "set_collective_order_check",

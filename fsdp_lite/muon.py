@@ -4,73 +4,96 @@ Muon orthogonalizes each weight matrix's momentum with Newton-Schulz iterations:
 not elementwise. torch's own Muon, handed FSDP's DTensor shards, computes something else (the
 orthogonalized update of a sharded matrix is not the rows of the whole one's). ``Muon`` here takes
 the same arguments and keeps every elementwise part on the shards (momentum, Nesterov, weight
-decay, the update), and gathers only the matrix Newton-Schulz needs:
+decay, the update); one owner rank per matrix (``WholeMatrix``, chosen at construction) runs
+Newton-Schulz on the whole update:
 
-    per matrix, per step:  momentum and update on this rank's rows        (as torch, elementwise)
-                           all-gather the update -> the whole matrix      (one collective)
-                           torch's Newton-Schulz on it, on every rank     (the same math, bits)
-                           take this rank's rows, apply them to the shard (as torch, elementwise)
+    per step, every rank    momentum and update on its rows of each matrix   (as torch, elementwise)
+                            the update in bf16 (Newton-Schulz's first op)    (as torch, elementwise)
+    all_to_all #1           each owner receives every rank's rows of its matrices
+    owner                   torch's Newton-Schulz on the whole update        (the same math, bits)
+    all_to_all #2           each rank receives its rows of the results (bf16)
+    every rank              weight decay and the update on its shard         (as torch, elementwise)
 
-so every parameter and momentum buffer is bitwise what DDP + ``torch.optim.Muon`` gives (the same
-averaged gradient, the same single-device math). Plain (unsharded) parameters take torch's path
-unchanged. Not yet: one owner per matrix computing for all (today every rank repeats the
-Newton-Schulz), batched collectives, tensor-parallel matrices (refused).
+two collectives per step for all the matrices of one process group (per bucket, with
+``bucket_numel``: then a bucket's traffic runs while the owners compute another's), so every
+parameter and
+momentum buffer is bitwise what DDP + ``torch.optim.Muon`` gives (the same averaged gradient, the
+same single-device math). Plain (unsharded) and replicated parameters take torch's path, no
+traffic. Not yet: tensor-parallel matrices (refused).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim import Muon as TorchMuon
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
+
+from fsdp_lite.engine.observe import Observer
+from fsdp_lite.whole_matrix import WholeMatrix
 
 __all__ = ["Muon"]
 
 
 class Muon(TorchMuon):
-    """``torch.optim.Muon`` (same arguments, same state) that is exact on sharded parameters."""
+    """``torch.optim.Muon`` (same arguments, same state) that is exact on sharded parameters;
+    ``whole`` is its owner placement (``WholeMatrix``)."""
+
+    whole: WholeMatrix
+
+    def __init__(self, params, *args, bucket_numel: int | None = None, **kwargs) -> None:
+        """torch's arguments; ``bucket_numel``: ``WholeMatrix``'s (default: one bucket)."""
+        self._bucket_numel = bucket_numel
+        super().__init__(params, *args, **kwargs)  # torch's checks first (2-D, arguments)
+        self._place_owners()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then the owner placement over every parameter again (the same on all ranks)."""
+        super().add_param_group(param_group)
+        if hasattr(self, "whole"):  # after construction
+            self._place_owners()
+
+    def _place_owners(self) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        observers = self.whole.observers if hasattr(self, "whole") else []
+        self.whole = WholeMatrix(params, name="fsdp_lite.Muon", bucket_numel=self._bucket_numel)
+        self.whole.observers.extend(observers)
+
+    def watch(self, observer: Observer) -> None:
+        """``observer`` (a trace) sees each step's exchanges: ``WholeMatrix.watch``."""
+        self.whole.watch(observer)
+
+    def unwatch(self, observer: Observer) -> None:
+        self.whole.unwatch(observer)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step: torch's Muon for plain parameters; for DTensor shards, see the module doc."""
+        """One step; see the module doc."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        params: list[torch.Tensor] = []
+        updates: list[torch.Tensor] = []
+        groups: dict[torch.Tensor, dict] = {}
         for group in self.param_groups:
-            params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
             bufs: list[torch.Tensor] = []
+            start = len(params)
             self._init_group(group, params, grads, bufs)  # torch's checks (2-D, not complex)
-            for param, grad, buf in zip(params, grads, bufs):
-                if isinstance(param, DTensor):
-                    _sharded_step(param, grad, buf, group)
-                else:
-                    _plain_step(param, grad, buf, group)
-        return loss
-
-
-def _plain_step(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
-    """torch's single-tensor Muon step, on whole tensors."""
-    update = _momentum_update(grad, buf, group)
-    _apply(param, _orthogonalize(update, group), group, param.shape)
-
-
-def _sharded_step(param: DTensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
-    mesh, placements = param.device_mesh, param.placements
-    if any(type(pl) not in (Shard, Replicate) for pl in placements):
-        raise NotImplementedError(
-            f"fsdp_lite.Muon on a parameter with placements {placements}: only Shard and "
-            "Replicate placements are built (not tensor parallel's strided or partial ones)"
+            for param, grad, buf in zip(params[start:], grads, bufs):
+                # Elementwise on DTensors of one layout: local ops. Newton-Schulz starts with
+                # bfloat16(), so casting here is the same math, and halves the traffic.
+                updates.append(_momentum_update(grad, buf, group).bfloat16())
+                groups[param] = group
+        orthogonal = self.whole.map(
+            lambda param, update: _orthogonalize(update, groups[param]), params, updates
         )
-    # Elementwise on DTensors of one layout: local ops, and the in-place updates bump the
-    # parameter's version as torch's do (SHARD_OPTIM re-gathers a unit whose shards changed).
-    update = _momentum_update(grad, buf, group)
-    orthogonal = _orthogonalize(update.full_tensor(), group)
-    # This rank's rows of the result, cut as its shard is (no collective: every rank has it all).
-    mine = distribute_tensor(orthogonal, mesh, placements, src_data_rank=None)
-    _apply(param, mine, group, param.shape)
+        # In-place on the DTensors, so the parameter's version moves as torch's does (SHARD_OPTIM
+        # re-gathers a unit whose shards changed).
+        for param, update in zip(params, orthogonal):
+            _apply(param, update, groups[param], param.shape)
+        return loss
 
 
 def _momentum_update(grad: torch.Tensor, buf: torch.Tensor, group: dict) -> torch.Tensor:

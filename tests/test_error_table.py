@@ -41,6 +41,7 @@ from fsdp_lite import (
 )
 from fsdp_lite.estimate import estimate
 from fsdp_lite.muon import Muon
+from fsdp_lite.whole_matrix import WholeMatrix
 from fsdp_lite.wrap import CustomPolicy, ModuleWrapPolicy, enable_wrap, wrap
 from tests.parity import build_model
 from tests.ranks import run_ranks
@@ -275,6 +276,26 @@ def _muon_strided_shard(c: Ctx) -> None:
     )
     weight.grad = torch.zeros_like(weight)
     Muon([weight]).step()
+
+
+def _whole_matrix(local_rows: int | None = None, built_with: bool = True):
+    def case(c: Ctx) -> None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        weight = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+        given = weight if local_rows is None else torch.ones(local_rows, 4)
+        WholeMatrix([weight] if built_with else []).map(lambda p, m: m, [weight], [given])
+
+    return case
+
+
+def _whole_matrix_of_a_vector(c: Ctx) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    WholeMatrix([distribute_tensor(torch.ones(4), mesh, [Shard(0)])])
+
+
+def _whole_matrix_cut_twice(c: Ctx) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    WholeMatrix([DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0), Shard(1)])])
 
 
 def _tp_placement_partial(c: Ctx) -> None:
@@ -535,6 +556,10 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "fully_shard_not_a_module": lambda c: fully_shard("blocks"),
     "fully_shard_twice": _fully_shard_twice,
     "muon_strided_shard": _muon_strided_shard,
+    "whole_matrix_not_built_with": _whole_matrix(built_with=False),
+    "whole_matrix_input_shape": _whole_matrix(local_rows=3),
+    "whole_matrix_of_a_vector": _whole_matrix_of_a_vector,
+    "whole_matrix_cut_twice": _whole_matrix_cut_twice,
     "all_gather_extension": _all_gather_extension,
     "dp_mesh_dims_empty": lambda c: DataParallelMeshDims(),
     "dp_mesh_dims_without_mesh": lambda c: fully_shard(
@@ -673,6 +698,11 @@ CASES: dict[str, Callable[[Ctx], object]] = {
 # Raise sites whose message is not a row, and why: matched by file and a literal part of the
 # message ("" matches a message with no literal part).
 NOT_IN_THE_TABLE = {
+    (
+        "whole_matrix.py",
+        ": fn returned shape",
+    ): "the user function's own bug, raised on its owner only (the other ranks wait in the "
+    "exchange until the process group's timeout)",
     (
         "fronts/construct.py",
         "must be",

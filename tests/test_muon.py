@@ -1,9 +1,14 @@
 """fsdp_lite.muon.Muon on sharded parameters: bitwise DDP + torch.optim.Muon (the single-device math
 on the same averaged gradient), parameters and momentum, after 5 steps: FSDP1 front FULL_SHARD,
-SHARD_GRAD_OP, NO_SHARD, SHARD_OPTIM and fully_shard at 2 ranks, HSDP (2 x 2) at 4; tall, wide,
-square and unevenly divided matrices. torch's own Muon on torch FSDP2's shards is measurably off."""
+SHARD_GRAD_OP, NO_SHARD, SHARD_OPTIM and fully_shard (rows or columns cut) at 2 ranks; the same
+and HSDP (2 x 2) at 4 ranks against torch's Muon fed the same averaged gradients; tall, wide,
+square and unevenly divided matrices. Two collectives per optimizer step; a user function of the
+whole matrix (fsdp_lite.WholeMatrix) exact too. torch's own Muon on torch FSDP2's shards is
+measurably off."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -59,6 +64,15 @@ def _wrap(kind: str, model: nn.Module) -> nn.Module:
     return model
 
 
+# "fully_shard/buckets": Muon's exchanges cut into buckets of at most 400 whole-matrix elements,
+# [a 384], [b 384], [c 192 + d 56]: three gathers and three scatters a step, overlapped.
+BUCKETS = {"fully_shard/buckets": [[0], [1], [2, 3]]}
+
+
+def _muon(kind: str):
+    return functools.partial(Muon, bucket_numel=400) if kind in BUCKETS else Muon
+
+
 def _train(kind: str, optim_cls, rank: int):
     torch.manual_seed(0)
     model = _wrap(kind, Matrices())
@@ -88,30 +102,36 @@ def _assert_bitwise(ours, theirs, what: str) -> None:
             )  # fmt: skip
 
 
+_DDP: dict[int, tuple] = {}  # world size -> this rank process's reference, trained once
+
+
 def _exact(kind: str):
     def check(rank: int, world_size: int) -> None:
-        ref = _train("ddp", torch.optim.Muon, rank)
-        _assert_bitwise(_train(kind, Muon, rank), ref, kind)
+        if world_size not in _DDP:
+            _DDP[world_size] = _train("ddp", torch.optim.Muon, rank)
+        ours = _train(kind, _muon(kind), rank)
+        _assert_bitwise(ours, _DDP[world_size], f"{kind} at {world_size} ranks")
 
     return check
 
 
-CHECKS = {
-    kind: _exact(kind)
-    for kind in (
-        "fsdp1/FULL_SHARD",
-        "fsdp1/SHARD_GRAD_OP",
-        "fsdp1/NO_SHARD",
-        "fsdp1/SHARD_OPTIM",
-        "fully_shard",
-        "fully_shard_dim1",
-    )
-}
+KINDS = (
+    "fsdp1/FULL_SHARD",
+    "fsdp1/SHARD_GRAD_OP",
+    "fsdp1/NO_SHARD",
+    "fsdp1/SHARD_OPTIM",
+    "fully_shard",
+    "fully_shard_dim1",
+    "fully_shard/buckets",
+)
+CHECKS = {kind: _exact(kind) for kind in KINDS}
 
 
 def _torch_muon_on_shards_is_off(rank: int, world_size: int) -> None:
     """The reason for fsdp_lite.muon: torch's Muon on torch FSDP2's shards is not Muon."""
-    ref, _ = _train("ddp", torch.optim.Muon, rank)
+    if world_size not in _DDP:
+        _DDP[world_size] = _train("ddp", torch.optim.Muon, rank)
+    ref = _DDP[world_size][0]
     got, _ = _train("torch_fsdp2", torch.optim.Muon, rank)
     worst = max((got[n] - ref[n]).abs().max().item() for n in ref)
     assert worst > 1e-3, worst  # measured 8.0e-3 after 5 steps
@@ -120,48 +140,161 @@ def _torch_muon_on_shards_is_off(rank: int, world_size: int) -> None:
 CHECKS["torch_muon_on_torch_fsdp2_is_off"] = _torch_muon_on_shards_is_off
 
 
-def _rank(rank: int, world_size: int) -> dict[str, str]:
-    return run_checks(CHECKS, list(CHECKS), rank, world_size)
+def _collectives_per_step(rank: int, world_size: int) -> None:
+    """Each optimizer step: per bucket one all_to_all to the owners and one back, nothing else
+    (counted by torch's CommDebugMode, which sees every c10d collective, and by fsdp_lite's
+    trace), moving this rank's bf16 rows of the bucket's matrices out and its owned matrices'
+    bf16 results back; every gather issued before the first scatter."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from fsdp_lite.trace import record_collectives
+
+    for kind in ("fully_shard", "fsdp1/FULL_SHARD", "fully_shard/buckets"):
+        torch.manual_seed(0)
+        model = _wrap(kind, Matrices())
+        optim = _muon(kind)(model.parameters(), **MUON)
+        params = list(model.parameters())
+        buckets = BUCKETS.get(kind, [[0, 1, 2, 3]])
+        with record_collectives(model, optim) as trace:
+            for step in range(3):
+                g = torch.Generator().manual_seed(10 * step + rank)
+                model(torch.randn(4, 24, generator=g)).square().mean().backward()
+                with CommDebugMode() as comm:
+                    optim.step()
+                optim.zero_grad()
+                counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+                assert counts == {"c10d.alltoall_base_": 2 * len(buckets)}, (kind, step, counts)
+        exchanges = [r for r in trace.records if r.kind == "all_to_all"]
+        expected = []
+        for step in range(3):
+            for phase in ("gather", "scatter"):
+                for bucket in buckets:
+                    mine = sum(params[i].to_local().numel() for i in bucket)
+                    owned = sum(
+                        params[i].numel() for i in bucket if optim.whole.owner(params[i]) == rank
+                    )
+                    expected.append((phase, step, mine if phase == "gather" else owned))
+        got = [(r.phase, r.step, r.numel) for r in exchanges]
+        assert got == expected, (kind, got, expected)
+        assert all(r.dtype == torch.bfloat16 for r in exchanges)
+        assert all(r.end is not None and r.end >= r.start for r in exchanges)
+
+
+def _inverse_root(g: torch.Tensor) -> torch.Tensor:
+    """Shampoo-like, not Muon: (G G^T + eI)^(-1/4) G (G^T G + eI)^(-1/4), in fp64."""
+
+    def root(m: torch.Tensor) -> torch.Tensor:
+        vals, vecs = torch.linalg.eigh(m + 1e-3 * torch.eye(len(m), dtype=m.dtype))
+        return vecs @ torch.diag(vals.pow(-0.25)) @ vecs.T
+
+    g = g.double()
+    return (root(g @ g.T) @ g @ root(g.T @ g)).float()
+
+
+def _whole_matrix_hook(rank: int, world_size: int) -> None:
+    """fsdp_lite.WholeMatrix with a user function of the whole matrix: each rank's rows of its
+    result bitwise those of the function on the whole tensor; it runs on the owner only (on
+    every rank for replicated and plain tensors); two collectives for all of it. Rows and
+    columns cut, uneven and empty shards (5 rows and 3 columns at 4 ranks)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from fsdp_lite.whole_matrix import WholeMatrix
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    layouts = [((16, 24), Shard(0)), ((24, 16), Shard(0)), ((5, 8), Shard(0)), ((7, 3), Shard(1))]
+    layouts.append(((6, 6), Replicate()))
+    torch.manual_seed(0)  # the same tensors on every rank
+    wholes = [torch.randn(shape) for shape, _ in layouts] + [torch.randn(8, 4)]
+    params = [distribute_tensor(w, mesh, [pl]) for w, (_, pl) in zip(wholes, layouts)]
+    params.append(wholes[-1])  # a plain tensor: held whole
+    whole = WholeMatrix(params)
+    # Greedy by m*n*min(m,n): 6144, 6144, 200, 63: largest first to the least loaded, ties low.
+    expected = {2: [0, 1, 0, 1], 4: [0, 1, 2, 3]}[world_size]
+    assert [whole.owner(p) for p in params] == expected + [None, None]
+    loads = {2: [6344, 6207], 4: [6144, 6144, 200, 63]}[world_size]
+    assert whole.explain().endswith(f"load of group {list(range(world_size))}: {loads}")
+    calls = []
+
+    def fn(param: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        calls.append(next(i for i, p in enumerate(params) if p is param))
+        return _inverse_root(matrix)
+
+    with CommDebugMode() as comm:
+        results = whole.map(fn, params, params)
+    assert comm.get_total_counts() == 2, comm.get_comm_counts()
+    assert sorted(calls) == [i for i, o in enumerate(expected) if o == rank] + [4, 5], calls
+    for i, (got, w) in enumerate(zip(results, wholes)):
+        ref = _inverse_root(w)
+        if i < len(layouts):
+            ref = distribute_tensor(ref, mesh, [layouts[i][1]], src_data_rank=None).to_local()
+            got = got.to_local()
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, msg=f"matrix {i}")
+
+
+CHECKS["collectives_per_step"] = _collectives_per_step
+CHECKS["whole_matrix_hook"] = _whole_matrix_hook
+
+
+def _rank(rank: int, world_size: int, names: list[str]) -> dict[str, str]:
+    return run_checks(CHECKS, names, rank, world_size)
+
+
+def _same_gradients(kind: str):
+    """At 4 ranks the averaged gradient itself is not DDP's bit for bit (another summation order,
+    HSDP's too), so the reference is torch's Muon on whole copies fed the very gradients this
+    model averaged, compared after every step."""
+
+    def check(rank: int, world_size: int) -> None:
+        torch.manual_seed(0)
+        model = _wrap(kind, Matrices())
+        shadow = {n: nn.Parameter(_full(p)) for n, p in model.named_parameters()}
+        optim = _muon(kind)(model.parameters(), **MUON)
+        reference = torch.optim.Muon(shadow.values(), **MUON)
+        for step in range(5):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            model(torch.randn(4, 24, generator=g)).square().mean().backward()
+            for name, p in model.named_parameters():
+                shadow[name].grad = _full(p.grad)
+            optim.step()
+            reference.step()
+            optim.zero_grad()
+            for name, p in model.named_parameters():
+                ours = (_full(p), _full(optim.state[p]["momentum_buffer"]))
+                theirs = (shadow[name], reference.state[shadow[name]]["momentum_buffer"])
+                for what, mine, ref in zip(("param", "momentum"), ours, theirs):
+                    torch.testing.assert_close(
+                        mine, ref.detach(), rtol=0, atol=0,
+                        msg=lambda m, w=what, n=name, s=step: f"{kind} step {s} {w} {n}: {m}",
+                    )  # fmt: skip
+
+    return check
+
+
+CHECKS.update({f"same_grads/{kind}": _same_gradients(kind) for kind in (*KINDS, "hsdp")})
+# 2 ranks: bitwise DDP; 4 ranks: bitwise torch's Muon on the same averaged gradients (HSDP: 2 x 2)
+CHECKS_2 = [*KINDS, "torch_muon_on_torch_fsdp2_is_off", "collectives_per_step", "whole_matrix_hook"]
+CHECKS_4 = [f"same_grads/{kind}" for kind in (*KINDS, "hsdp")]
+CHECKS_4 += ["collectives_per_step", "whole_matrix_hook"]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_ranks(_rank, 2, tmp_path_factory.mktemp("muon"), timeout=240)
+    return run_ranks(_rank, 2, tmp_path_factory.mktemp("muon"), timeout=240, args=(CHECKS_2,))
 
 
-@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("check", CHECKS_2)
 def test_muon_on_shards(results, check):
     for rank, failures in enumerate(results):
         assert check not in failures, f"rank {rank}:\n{failures[check]}"
 
 
-def _hsdp_rank(rank: int, world_size: int) -> None:
-    """At 4 ranks HSDP's averaged gradient is not DDP's bit for bit (another summation order), so
-    the reference is torch's Muon on whole copies fed the very gradients HSDP averaged."""
-    torch.manual_seed(0)
-    model = _wrap("hsdp", Matrices())
-    shadow = {n: nn.Parameter(p.full_tensor()) for n, p in model.named_parameters()}
-    optim, reference = Muon(model.parameters(), **MUON), torch.optim.Muon(shadow.values(), **MUON)
-    for step in range(5):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        model(torch.randn(4, 24, generator=g)).square().mean().backward()
-        for name, p in model.named_parameters():
-            shadow[name].grad = p.grad.full_tensor()
-        optim.step()
-        reference.step()
-        optim.zero_grad()
-        for name, p in model.named_parameters():
-            ours = (p.full_tensor(), optim.state[p]["momentum_buffer"].full_tensor())
-            theirs = (shadow[name], reference.state[shadow[name]]["momentum_buffer"])
-            for kind, mine, ref in zip(("param", "momentum"), ours, theirs):
-                torch.testing.assert_close(
-                    mine,
-                    ref.detach(),
-                    rtol=0,
-                    atol=0,
-                    msg=f"step {step} {kind} {name}",
-                )
+@pytest.fixture(scope="module")
+def results_4(tmp_path_factory):
+    return run_ranks(_rank, 4, tmp_path_factory.mktemp("muon4"), timeout=240, args=(CHECKS_4,))
 
 
-def test_muon_on_hsdp_shards_at_4_ranks(tmp_path):
-    run_ranks(_hsdp_rank, 4, tmp_path, timeout=240)
+@pytest.mark.parametrize("check", CHECKS_4)
+def test_muon_on_shards_at_4_ranks(results_4, check):
+    for rank, failures in enumerate(results_4):
+        assert check not in failures, f"rank {rank}:\n{failures[check]}"

@@ -23,10 +23,10 @@ __all__ = ["Collective", "Observer"]
 class Collective:
     """One collective a unit issued, from its issue until this rank's wait returned."""
 
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
-    unit: str  # the unit's name, "" for the root
-    phase: str  # "forward" | "backward" | "summon" | "state_dict" | ...
-    step: int  # the runtime's training step (1-based)
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all" (WholeMatrix)
+    unit: str  # the unit's name, "" for the root, "<optimizer>" for an optimizer's exchange
+    phase: str  # "forward" | "backward" | "summon" | "state_dict" | ... | "gather" | "scatter"
+    step: int  # the runtime's training step (1-based); -1 outside the runtime (an optimizer)
     group: dist.ProcessGroup
     dtype: torch.dtype
     numel: int  # of this rank's input

@@ -71,8 +71,8 @@ MEMORY_CATEGORIES = (
 class CollectiveRecord:
     """One collective one unit issued on this rank; times per Note [Trace times and memory]."""
 
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
-    unit: str  # the unit's module path from the root, "" for the root
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all" (an optimizer's)
+    unit: str  # the unit's module path from the root, "" for the root, "<optimizer>"
     phase: str  # "forward" | "backward" | "summon" | ...
     dtype: torch.dtype
     numel: int  # of this rank's input
@@ -135,6 +135,9 @@ class CollectiveTrace(Observer):
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
     t0: float = field(default_factory=time.perf_counter, repr=False)
     _first_step: int | None = field(default=None, repr=False)  # the runtime's, at step 0
+    # The record of each collective issued and not yet waited on, by its Collective: several of
+    # one unit and kind may be in flight (an optimizer's bucketed exchanges).
+    _open: dict = field(default_factory=dict, repr=False)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -142,17 +145,25 @@ class CollectiveTrace(Observer):
     # ---- the observer's hooks (called by the units) ----------------------------------------------
 
     def issued(self, op: Collective) -> None:
-        """A unit is about to start a collective; ``op.numel`` is this rank's input."""
-        self._at_step(op.step)
-        self.records.append(
-            CollectiveRecord(
-                op.kind, op.unit, op.phase, op.dtype, op.numel, self.step, start=self.now()
-            )
+        """A unit (or an optimizer: step -1, the trace's step) is about to start a collective;
+        ``op.numel`` is this rank's input."""
+        if op.step >= 0:
+            self._at_step(op.step)
+        record = CollectiveRecord(
+            op.kind, op.unit, op.phase, op.dtype, op.numel, self.step, start=self.now()
         )
+        self.records.append(record)
+        self._open[op] = record
         self.sample(f"{op.kind} start {op.unit or '<root>'}")
 
     def waited(self, op: Collective) -> None:
-        """This rank's wait on the unit's latest open collective of ``op``'s kind returned."""
+        """This rank's wait on ``op`` returned (else on the unit's latest open collective of
+        ``op``'s kind)."""
+        record = self._open.pop(op, None)
+        if record is not None and record.end is None:
+            record.end = self.now()
+            self.sample(f"{op.kind} end {op.unit or '<root>'}")
+            return
         for r in reversed(self.records):
             if r.unit == op.unit and r.kind == op.kind and r.end is None:
                 r.end = self.now()
@@ -207,6 +218,7 @@ class CollectiveTrace(Observer):
         )
 
     def clear(self) -> None:
+        self._open.clear()
         self.records.clear()
         self.spans.clear()
         self.memory.clear()
@@ -289,7 +301,9 @@ def record_collectives(
 
     Args:
         model: a wrapped model; every unit in it is traced.
-        optimizer: if given, its state counts as each unit's ``optim`` memory. Default None.
+        optimizer: if given, its state counts as each unit's ``optim`` memory, and an optimizer
+            that can be watched (``fsdp_lite.Muon``) records its exchanges too (unit
+            ``<optimizer>``, kind ``all_to_all``). Default None.
 
     Returns:
         The ``CollectiveTrace`` that fills up while the block runs (read it after).
@@ -303,15 +317,18 @@ def record_collectives(
         units=[w._unit for w in wrappers],
         optimizer=optimizer,
     )
-    for w in wrappers:
-        w._unit.watch(trace)
+    watched = [w._unit for w in wrappers]
+    if hasattr(optimizer, "watch"):  # fsdp_lite.Muon: its exchanges, phase "gather"/"scatter"
+        watched.append(optimizer)
+    for w in watched:
+        w.watch(trace)
     trace.sample("trace begin")
     try:
         yield trace
     finally:
         trace.sample("trace end")
-        for w in wrappers:
-            w._unit.unwatch(trace)
+        for w in watched:
+            w.unwatch(trace)
 
 
 def _one_owner_per_unit(model: nn.Module) -> list[nn.Module]:
@@ -388,6 +405,7 @@ COLORS = {
     "all_gather": "#55A868",
     "reduce_scatter": "#C44E52",
     "all_reduce": "#8172B3",
+    "all_to_all": "#937860",
     "params": "#4C72B0",
     "optim": "#8C8C8C",
     "grads": "#DD8452",
@@ -479,7 +497,15 @@ def plot_timeline(
         ax.grid(axis="x", alpha=0.3)
         ax.set_ylabel(f"rank {trace.rank}")
     axes[-1].set_xlabel("ms since the step's first event (each rank's own clock)")
-    kinds = ["forward", "backward", "step", "all_gather", "reduce_scatter", "all_reduce"]
+    kinds = [
+        "forward",
+        "backward",
+        "step",
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+        "all_to_all",
+    ]
     used = {sp.phase for s in steps for sp in s.spans} | {r.kind for s in steps for r in s.records}
     handles = [
         Patch(color=COLORS[k], label="optimizer / user span" if k == "step" else k)
