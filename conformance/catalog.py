@@ -368,6 +368,11 @@ CATALOG: tuple[Bug, ...] = (
             "self._versions()\n",
             "        return self._gathered_versions is not None  # planted\n",
         ),
+        P(
+            "engine/unit.py",
+            "    for unit in list(_KEEPING):\n        unit._gathered_versions = None\n",
+            "    for unit in list(_KEEPING):\n        pass  # planted: an optimizer step changes nothing\n",
+        ),
         first=("*/SHARD_OPTIM/fp32/plain/*",),
     ),
     _bug(
