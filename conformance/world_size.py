@@ -283,7 +283,7 @@ def rank_main(args: argparse.Namespace, device: torch.device) -> None:
     if rank == 0:
         print(
             f"world size {world_size}: {len(cases)} cases, {args.steps} steps each, global batch "
-            f"of {parts} x the zoo's batch, V = {virtual}",
+            f"of {parts} per-rank batches, V = {virtual}",
             flush=True,
         )
     saved: dict[str, Any] = {}
@@ -533,7 +533,7 @@ def run(
     print(
         f"\nthe largest difference from the smallest world size that ran the case, over "
         f"{args.steps} steps and every tensor, in ulps (the last column absolute); 0 = bitwise. "
-        f"Model {model}, global batch of {parts} x the zoo's batch, V = {virtual}."
+        f"Model {model}, global batch of {parts} per-rank batches, V = {virtual}."
     )
     print(format_table(rows))
     counts = {s: sum(r["status"] == s for r in rows) for s in ("passed", "failed", "measured",
