@@ -56,7 +56,9 @@ DDP = "ddp"  # the suite's DDP reference, run as one more implementation (strate
 DEFAULT_MODEL = "lm_untied"
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "SHARD_OPTIM")
 PRECISIONS = ("fp32", "bf16r32")  # fp32; bf16 params with fp32 reduce
-FEATURES = ("plain", "clip_grad_norm")
+# frozen_in_unit: frozen parameters beside trainable ones in a unit (the zoo's transformers only)
+FEATURES = ("plain", "clip_grad_norm", "frozen_in_unit")
+_FREEZABLE = ("lm", "lm_untied", "wide_lm")
 STAGES = ("loss", "grads", "params", "optim_state")
 SCHEMA = "conformance-world-sizes/1"
 
@@ -101,13 +103,15 @@ def case_key(name: str) -> str:
 
 def world_size_cases(adapters: dict[str, Any], world_size: int, model: str) -> list:
     """Every case of a ``--world-sizes`` run at ``world_size``: DDP, then each implementation's
-    strategies (HYBRID_SHARD and SHARD_OPTIM where it has them) x PRECISIONS x FEATURES."""
+    strategies (HYBRID_SHARD and SHARD_OPTIM where it has them) x PRECISIONS x FEATURES (the
+    freezing one on the zoo's transformers only)."""
     from conformance.matrix import CORE_STRATEGIES, Case
 
+    features = [f for f in FEATURES if f != "frozen_in_unit" or model in _FREEZABLE]
     cases = [
         Case(DDP, "-", precision, feature, model, world_size)
         for precision in PRECISIONS
-        for feature in FEATURES
+        for feature in features
     ]
     for name, adapter in adapters.items():
         known = set(adapter.strategies())
@@ -115,7 +119,7 @@ def world_size_cases(adapters: dict[str, Any], world_size: int, model: str) -> l
             if strategy not in CORE_STRATEGIES and strategy not in known:
                 continue
             for precision in PRECISIONS:
-                for feature in FEATURES:
+                for feature in features:
                     cases.append(Case(name, strategy, precision, feature, model, world_size))
     return cases
 

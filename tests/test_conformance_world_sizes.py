@@ -21,10 +21,11 @@ import torch
 
 from conformance.adapters.lite import FsdpLiteAdapter
 from conformance.cli import parse_args
-from conformance.world_size import compare_runs, exit_status, format_table, ulps
+from conformance.world_size import FEATURES, compare_runs, exit_status, format_table, ulps
 
 REPO = Path(__file__).resolve().parents[1]
 CANONICAL_STRATEGIES = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "SHARD_OPTIM"}
+assert set(FEATURES) == {"plain", "clip_grad_norm", "frozen_in_unit"}
 
 
 class FalselyInvariantAdapter(FsdpLiteAdapter):
@@ -75,14 +76,14 @@ def test_cli_canonical_is_bitwise_across_world_sizes_and_the_others_are_measured
     assert proc.returncode == 1 == doc["exit_status"], log
     failed = [n for n, r in rows.items() if r["status"] not in ("passed", "measured")]
     assert sorted(failed) == [
-        "false_invariant/FULL_SHARD/fp32/clip_grad_norm/lm_untied",
-        "false_invariant/FULL_SHARD/fp32/plain/lm_untied",
+        f"false_invariant/FULL_SHARD/fp32/{feature}/lm_untied" for feature in sorted(FEATURES)
     ], log
     assert "FAILED false_invariant/FULL_SHARD/fp32/plain/lm_untied" in proc.stdout
 
     canonical = [r for r in rows.values() if r["impl"] == "fsdp_lite_canonical"]
     assert {r["strategy"] for r in canonical} == CANONICAL_STRATEGIES
     assert {r["precision"] for r in canonical} == {"fp32", "bf16r32"}
+    assert {r["feature"] for r in canonical} == set(FEATURES)
     for r in canonical:
         assert r["status"] == "passed" and r["invariant"], r
         assert r["base_world_size"] == 1 and set(r["world_sizes"]) == {"2", "4"}, r
@@ -91,7 +92,7 @@ def test_cli_canonical_is_bitwise_across_world_sizes_and_the_others_are_measured
             for stage in per_stage.values():
                 assert stage["bitwise"] and stage["max_ulps"] == 0 == stage["max_abs"], r
     for impl in ("ddp", "fsdp_lite", "torch_fsdp2"):
-        for feature in ("plain", "clip_grad_norm"):
+        for feature in FEATURES:
             strategy = "-" if impl == "ddp" else "FULL_SHARD"
             r = rows[f"{impl}/{strategy}/fp32/{feature}/lm_untied"]
             assert r["status"] == "measured" and not r["invariant"], r
