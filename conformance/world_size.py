@@ -146,7 +146,11 @@ class _WorldSizeCase:
         from conformance.adapters.base import Unsupported
 
         try:
-            self._train()
+            if self.adapter is None:  # DDP
+                self._train()
+            else:
+                with self.adapter.case_context(self.case):
+                    self._train()
             return {"error": None}
         except _PeerFailed:
             return {"error": None, "peer_failed": True}

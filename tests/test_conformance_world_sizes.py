@@ -8,10 +8,13 @@ The comparison itself (ulps, statuses, the exit status) is checked on made-up re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.adapters.lite import FsdpLiteAdapter
+from conformance.adapters.lite import FsdpLiteAdapter, FsdpLiteCanonicalAdapter
 from conformance.cli import parse_args
 from conformance.world_size import FEATURES, compare_runs, exit_status, format_table, ulps
 
@@ -35,10 +38,29 @@ class FalselyInvariantAdapter(FsdpLiteAdapter):
     world_size_invariant = True
 
 
+class LeftFoldCanonicalAdapter(FsdpLiteCanonicalAdapter):
+    """A planted bug in the canonical mode: the N ranks' rows of a micro-step summed left to
+    right, ((a + b) + c) + d, not in the tree, (a + b) + (c + d): the same at 1 and 2 ranks."""
+
+    name = "bug_left_fold_canonical"
+
+    @contextlib.contextmanager
+    def case_context(self, case):
+        from fsdp_lite.engine import canonical
+
+        original = canonical.tree_sum
+        canonical.tree_sum = lambda leaves: functools.reduce(torch.add, leaves)
+        try:
+            yield
+        finally:
+            canonical.tree_sum = original
+
+
 @pytest.mark.slow
 def test_cli_canonical_is_bitwise_across_world_sizes_and_the_others_are_measured(tmp_path):
     out = tmp_path / "ws.json"
     false_claim = "tests.test_conformance_world_sizes:FalselyInvariantAdapter"
+    left_fold = "tests.test_conformance_world_sizes:LeftFoldCanonicalAdapter"
     args = [
         "--world-sizes",
         "1,2,4",
@@ -49,6 +71,7 @@ def test_cli_canonical_is_bitwise_across_world_sizes_and_the_others_are_measured
         "fsdp_lite",
         "torch_fsdp2",
         false_claim,
+        left_fold,
         "--only",
         "fsdp_lite_canonical/*",
         "--only",
@@ -72,12 +95,16 @@ def test_cli_canonical_is_bitwise_across_world_sizes_and_the_others_are_measured
     assert out.exists(), log
     doc = json.loads(out.read_text())
     rows = {r["name"]: r for r in doc["cases"]}
-    # Only the false claim fails, so the command exits 1.
+    # Only the false claim and the planted bug fail, so the command exits 1.
     assert proc.returncode == 1 == doc["exit_status"], log
     failed = [n for n, r in rows.items() if r["status"] not in ("passed", "measured")]
-    assert sorted(failed) == [
-        f"false_invariant/FULL_SHARD/fp32/{feature}/lm_untied" for feature in sorted(FEATURES)
-    ], log
+    assert sorted(failed) == sorted(
+        [f"bug_left_fold_canonical/FULL_SHARD/fp32/{feature}/lm_untied" for feature in FEATURES]
+        + [f"false_invariant/FULL_SHARD/fp32/{feature}/lm_untied" for feature in FEATURES]
+    ), log
+    for feature in FEATURES:  # the bug shows where it sums more than 2 rows: at 4 ranks
+        bug = rows[f"bug_left_fold_canonical/FULL_SHARD/fp32/{feature}/lm_untied"]["world_sizes"]
+        assert bug["2"]["grads"]["bitwise"] and not bug["4"]["grads"]["bitwise"], bug
     assert "FAILED false_invariant/FULL_SHARD/fp32/plain/lm_untied" in proc.stdout
 
     canonical = [r for r in rows.values() if r["impl"] == "fsdp_lite_canonical"]
@@ -102,7 +129,7 @@ def test_cli_canonical_is_bitwise_across_world_sizes_and_the_others_are_measured
                     assert isinstance(stage["max_ulps"], (int, float)), r
     assert doc["config"]["world_sizes"] == [1, 2, 4] and doc["config"]["virtual_batches"] == 4
     assert set(doc["config"]["threads"].values()) == {1}
-    assert "fsdp_lite_canonical  HYBRID_SHARD" in proc.stdout  # the table
+    assert re.search(r"\nfsdp_lite_canonical +HYBRID_SHARD +bf16r32 +plain +1->4 ", proc.stdout)
 
 
 def test_ulps_count_representable_values_between():
