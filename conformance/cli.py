@@ -111,6 +111,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "print which case catches it; --only then selects entries by name",
     )
     parser.add_argument("--self-test-plan", help=argparse.SUPPRESS)  # set by the self-test
+    parser.add_argument(
+        "--world-sizes",
+        metavar="N,M,...",
+        help="train every case at each of these world sizes (one launch each) and report, per "
+        "stage, the largest difference from the smallest in ulps: the canonical mode "
+        "(fsdp_lite_canonical, fsdp_lite_fsdp2_canonical) fails on any, the others are "
+        "information; DDP is always run. See docs/conformance.md, 'Across world sizes'",
+    )
+    parser.add_argument(
+        "--virtual-batches",
+        type=int,
+        metavar="V",
+        help="with --world-sizes: the canonical mode's micro-batches per global batch (a power "
+        "of two; default the smallest one >= 4 and >= the largest world size)",
+    )
+    parser.add_argument("--world-size-run", help=argparse.SUPPRESS)  # set by --world-sizes
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
     parser.add_argument("--markdown", metavar="PATH", help="write the summary table as Markdown")
@@ -138,6 +154,32 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         problem = main_guard(args)
         if problem:
             parser.error(problem)
+    if args.world_sizes is not None:
+        from conformance.world_size import parse_world_sizes
+
+        try:
+            parse_world_sizes(args.world_sizes)
+        except ValueError as e:
+            parser.error(str(e))
+        clash = [
+            flag
+            for flag, given in (
+                ("--self-test", args.self_test),
+                ("--compare-to", args.compare_to is not None),
+                ("--shard", args.shard is not None),
+                ("--case", bool(args.case)),
+                ("--quick", args.quick),
+                ("--junit", args.junit is not None),
+            )
+            if given
+        ]
+        if clash:
+            parser.error(f"--world-sizes does not take {', '.join(clash)}")
+        v = args.virtual_batches
+        if v is not None and (v < 1 or v & (v - 1)):
+            parser.error(f"--virtual-batches must be a power of two, not {v}")
+    elif args.virtual_batches is not None:
+        parser.error("--virtual-batches needs --world-sizes")
     if args.timeout is None:
         from conformance.selftest import SELF_TEST_TIMEOUT_S
 
@@ -156,6 +198,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from conformance.baseline import load_report
 
         load_report(args.compare_to)  # a missing or unreadable baseline fails before any launch
+    if args.world_sizes is not None and args.world_size_run is None:
+        from conformance import world_size
+
+        if args.list:
+            for size in world_size.parse_world_sizes(args.world_sizes):
+                print("\n".join(c.name for c in world_size.selected_cases(args, size)))
+            return 0
+        if "RANK" in os.environ:
+            print("conformance: --world-sizes launches its own ranks; run it without torchrun")
+            return 1
+        return world_size.run(args, _without_nproc(argv), _torchrun)
     if args.list:
         cases, notes, _ = _cases(args, int(os.environ.get("WORLD_SIZE", args.nproc)))
         for note in notes:
@@ -281,6 +334,12 @@ def run_rank(args: argparse.Namespace) -> int:
             from conformance.selftest import rank_main
 
             rank_main(args.self_test_plan, device)
+            return 0
+        if args.world_size_run:
+            from conformance.world_size import rank_main as world_size_rank
+
+            world_size_rank(args, device)
+            _leave_together()
             return 0
         world_size = dist.get_world_size()
         cases, notes, adapters = _cases(args, world_size)

@@ -2,7 +2,9 @@
 
 Built-in names are ``fsdp_lite``, ``fsdp_lite_fsdp2``, ``torch_fsdp1``, ``torch_fsdp2`` and ``deepspeed``
 (and its variants ``deepspeed_torch_linear``: ZeRO-3 without memory_efficient_linear, and
-``deepspeed_config_optimizer``: the optimizer built by DeepSpeed from its config). A third party either passes
+``deepspeed_config_optimizer``: the optimizer built by DeepSpeed from its config), and fsdp_lite's
+canonical mode on each front, ``fsdp_lite_canonical`` and ``fsdp_lite_fsdp2_canonical`` (judged
+across world sizes only: ``--world-sizes``). A third party either passes
 ``--impl package.module:ClassName`` (any importable ``Adapter`` subclass) or calls ``register`` on
 its class before running. See docs/conformance.md, "Adding an adapter for your own FSDP".
 """
@@ -36,6 +38,9 @@ BUILTIN = {
     "torch_fsdp1": "conformance.adapters.fsdp1:TorchFSDP1Adapter",
     "torch_fsdp2": "conformance.adapters.fsdp2:TorchFSDP2Adapter",
     "fsdp_lite_fsdp2": "conformance.adapters.fsdp2:FsdpLiteFSDP2Adapter",
+    # fsdp_lite.Canonical on each front: judged only across world sizes (--world-sizes)
+    "fsdp_lite_canonical": "conformance.adapters.lite:FsdpLiteCanonicalAdapter",
+    "fsdp_lite_fsdp2_canonical": "conformance.adapters.lite:FsdpLiteFSDP2CanonicalAdapter",
     "deepspeed": "conformance.adapters.deepspeed:DeepSpeedAdapter",
     "deepspeed_torch_linear": "conformance.adapters.deepspeed:DeepSpeedTorchLinearAdapter",
     "deepspeed_config_optimizer": "conformance.adapters.deepspeed:DeepSpeedConfigOptimizerAdapter",

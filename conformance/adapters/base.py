@@ -139,6 +139,12 @@ class Adapter:
     # the param dtype: in the param dtype (torch FSDP1's no_sync(), False) or in the reduce dtype
     # (torch FSDP2's set_requires_gradient_sync(False), True). The references do the same.
     unsynced_grads_in_reduce_dtype: ClassVar[bool] = False
+    # The implementation claims the same bits at every world size (``--world-sizes``: any
+    # difference across world sizes fails the case; for the others it is information).
+    world_size_invariant: ClassVar[bool] = False
+    # Set by a ``--world-sizes`` run before any case: V, the number of equal micro-batches the
+    # global batch is cut into, for an implementation with a canonical mode (``canonical``).
+    virtual_batches: int | None = None
 
     # ---- what this implementation has ---------------------------------------------------------
 
@@ -200,6 +206,17 @@ class Adapter:
         """Clip all gradients to a global ``norm_type``-norm of ``max_norm``; return the norm
         before clipping. The suite passes ``norm_type`` only when it is not 2."""
         return model.clip_grad_norm_(max_norm, norm_type)
+
+    def canonical(self, model: nn.Module) -> Any | None:
+        """The wrapped model's world-size-invariant mode, or None (the default: a plain loop).
+
+        ``--world-sizes`` runs drive an object returned here instead of cutting the global batch
+        into one local batch per rank: ``micro_batches(x, y)`` (this rank's (input, target) parts
+        of the global batch, each one backward with gradient sync), ``mean(losses)`` (the global
+        batch's loss from this rank's micro-batch losses) and ``clip_grad_norm_(max_norm,
+        norm_type)``: ``fsdp_lite.Canonical``'s methods.
+        """
+        return None
 
     # ---- full tensors, for comparison ----------------------------------------------------------
 

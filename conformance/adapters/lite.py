@@ -17,8 +17,15 @@ import sys
 from pathlib import Path
 
 from conformance.adapters.base import Fsdp1ApiAdapter
+from conformance.adapters.fsdp2 import FsdpLiteFSDP2Adapter
 
-__all__ = ["FsdpLiteAdapter", "load_from", "package_dir"]
+__all__ = [
+    "FsdpLiteAdapter",
+    "FsdpLiteCanonicalAdapter",
+    "FsdpLiteFSDP2CanonicalAdapter",
+    "load_from",
+    "package_dir",
+]
 
 
 class FsdpLiteAdapter(Fsdp1ApiAdapter):
@@ -67,3 +74,60 @@ def load_from(root: str | os.PathLike) -> str:
 
 
 _LOADED_ROOTS: set[str] = set()  # roots load_from put on sys.path, replaced by the next one
+
+
+# ---- the canonical mode (fsdp_lite.Canonical, docs/invariance.md) ----------------------------
+
+
+class _CanonicalMixin:
+    """fsdp_lite's canonical mode on top of a front's adapter: wrap as the front does, then
+    ``fsdp_lite.Canonical(model, virtual_batches=V)``. It claims the same bits at every world
+    size, so a ``--world-sizes`` run fails it on any difference; the ordinary matrix (one world
+    size, each rank its own batch, backwards under no_sync) is not its contract and reports it
+    unsupported."""
+
+    world_size_invariant = True
+
+    def features(self) -> list[str]:
+        return []
+
+    def unsupported_reason(self, case):
+        if self.virtual_batches is None:
+            return (
+                "the canonical mode is judged across world sizes: python -m conformance "
+                "--world-sizes 1,2,4 (docs/conformance.md)"
+            )
+        if self.virtual_batches % case.world_size:
+            return (
+                f"virtual_batches ({self.virtual_batches}) is not a multiple of the world size "
+                f"({case.world_size})"
+            )
+        return super().unsupported_reason(case)
+
+    def wrap(self, model, request):
+        import fsdp_lite
+
+        wrapped = super().wrap(model, request)
+        canon = fsdp_lite.Canonical(wrapped, virtual_batches=self.virtual_batches)
+        wrapped.__dict__["_conformance_canonical"] = canon  # per model: per case
+        return wrapped
+
+    def make_optimizer(self, model, make):
+        optim = super().make_optimizer(model, make)
+        self.canonical(model).check_optimizer(optim)
+        return optim
+
+    def canonical(self, model):
+        return model.__dict__.get("_conformance_canonical")
+
+
+class FsdpLiteCanonicalAdapter(_CanonicalMixin, FsdpLiteAdapter):
+    name = "fsdp_lite_canonical"
+    description = (
+        "fsdp_lite.FullyShardedDataParallel + fsdp_lite.Canonical (the same bits at any N)"
+    )
+
+
+class FsdpLiteFSDP2CanonicalAdapter(_CanonicalMixin, FsdpLiteFSDP2Adapter):
+    name = "fsdp_lite_fsdp2_canonical"
+    description = "fsdp_lite.fully_shard + fsdp_lite.Canonical (the same bits at any N)"
