@@ -376,6 +376,20 @@ CATALOG: tuple[Bug, ...] = (
         first=("*/SHARD_OPTIM/fp32/plain/*",),
     ),
     _bug(
+        "zero1_stale_after_foreach_step",
+        "stale parameters",
+        "SHARD_OPTIM trusts the shards' version counters alone, which a foreach optimizer step "
+        "does not move: the next forward runs on the pre-step params",
+        "fsdp_lite 259cc7b (found by the canonical mode's tests: AdamW(foreach=True), the default "
+        "on accelerators, left every version counter of the DTensor where it was)",
+        P(
+            "engine/unit.py",
+            "    for unit in list(_KEEPING):\n        unit._gathered_versions = None\n",
+            "    for unit in list(_KEEPING):\n        pass  # planted: versions alone decide\n",
+        ),
+        first=("*/SHARD_OPTIM/fp32/foreach_optimizer/*",),
+    ),
+    _bug(
         "zero2_params_not_resharded_after_backward",
         "stale parameters",
         "SHARD_GRAD_OP never reshards, so the next forward runs on the pre-step params",

@@ -120,6 +120,9 @@ class Feature:
     optimizer_offload: str | None = None  # the optimizer's state and step: "cpu" | "disk"
     backward_prefetch: str = "default"  # "default" | "BACKWARD_PRE" | "BACKWARD_POST" | "NONE"
     forward_prefetch: bool = False
+    # The implementation's optimizer runs torch's multi-tensor (foreach) kernels, as it does by
+    # default on accelerators; the references keep the per-tensor loop (the same bits).
+    foreach_optimizer: bool = False
 
     @property
     def reference_key(self) -> tuple:
@@ -205,6 +208,11 @@ FEATURES = {
             move_mid_training=True,
         ),
         Feature("tied_weights", "embedding and output head share one parameter (model lm)"),
+        Feature(
+            "foreach_optimizer",
+            "SGD with foreach=True (multi-tensor kernels, torch's default on accelerators)",
+            foreach_optimizer=True,
+        ),
         # The offload features below are EXTRA_FEATURES: run only for implementations that list
         # them (Adapter.features), since torch FSDP has no equivalent of any of them.
         Feature(
@@ -265,7 +273,10 @@ DEFAULT_MATRIX = (
         CORE_STRATEGIES, ("bf16", "fp16"), ("plain",), tuple(m for m in _MODELS if m != "convnet")
     ),
     Slice(
-        EXTRA_STRATEGIES, ("fp32", "bf16"), ("plain", "no_sync", "clip_grad_norm"), ("lm_untied",)
+        EXTRA_STRATEGIES,
+        ("fp32", "bf16"),
+        ("plain", "no_sync", "clip_grad_norm", "foreach_optimizer"),
+        ("lm_untied",),
     ),
     Slice(_ALL_STRATEGIES, ("fp32", "bf16"), EXTRA_FEATURES, ("lm_untied",)),
     # Disk offload on a model big enough to reach the disk (DeepSpeed swaps only tensors >= 1 MiB).
@@ -286,7 +297,7 @@ QUICK_MATRIX = (
     Slice(("FULL_SHARD",), ("bf16r32",), ("no_sync",), ("lm_untied",)),
     # One case of each other thing the self-test's catalog shows can break on its own (the
     # extra strategies and features only for implementations that have them).
-    Slice(EXTRA_STRATEGIES, ("fp32",), ("plain",), ("lm_untied",)),
+    Slice(EXTRA_STRATEGIES, ("fp32",), ("plain", "foreach_optimizer"), ("lm_untied",)),
     Slice(
         ("FULL_SHARD",),
         ("fp32",),

@@ -234,7 +234,7 @@ class _CaseRun:
             disk_offload=self.feature.disk_offload,
             optimizer_offload=self.feature.optimizer_offload,
             scratch_dir=self.scratch_dir,
-            make_optimizer=make_sgd,
+            make_optimizer=functools.partial(make_sgd, foreach=self.feature.foreach_optimizer),
         )
 
     def _build(self, seed: int) -> ImplTrainer:

@@ -55,9 +55,10 @@ else:
     _RANK_LOCAL_BUFFERS = {"broadcast_buffers": False}
 
 
-def make_sgd(params) -> torch.optim.Optimizer:
+def make_sgd(params, foreach: bool = False) -> torch.optim.Optimizer:
     # foreach=False: the same per-tensor kernels whatever the parameter type (DTensor or not).
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, foreach=False)
+    # The multi-tensor kernels (feature foreach_optimizer) give the same bits on plain tensors.
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, foreach=foreach)
 
 
 class Trainer:
@@ -164,7 +165,7 @@ class ImplTrainer(Trainer):
     ) -> None:
         self.adapter, self.model, self.spec = adapter, model, spec
         self.device = request.device
-        self.optim = adapter.make_optimizer(model, make_sgd)
+        self.optim = adapter.make_optimizer(model, request.make_optimizer)
         self.scaler = (
             adapter.make_grad_scaler(model, request, INIT_SCALE) if precision.grad_scaler else None
         )
