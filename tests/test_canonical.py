@@ -11,11 +11,13 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
 
 import fsdp_lite
 import fsdp_lite.checkpoint
@@ -343,17 +345,65 @@ def test_bad_input():
     with pytest.raises(NotImplementedError, match="norm_type 2 or inf"):
         canon.clip_grad_norm_(1.0, norm_type=1.0)
     assert math.isfinite(canon.clip_grad_norm_(1.0).item())
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        Canonical(nn.Linear(2, 2), virtual_batches=4, schedule="ring")
+    with pytest.raises(ValueError, match="mean takes this rank's 4 values, got 3"):
+        canon.mean([torch.tensor(1.0)] * 3)
+    model = nn.Linear(2, 2)
+    canon = Canonical(model, virtual_batches=1)
+    model(torch.ones(1, 2)).sum().backward()  # the step's one leaf: its gradient lands
+    with pytest.raises(RuntimeError, match="a gradient from the last step is still there"):
+        model(torch.ones(1, 2)).sum().backward()  # no zero_grad between the steps
 
 
 def _refusals(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"multiple of the data-parallel world size \(2\)"):
         Canonical(fsdp_lite.FullyShardedDataParallel(nn.Linear(4, 4)), virtual_batches=1)
+    with pytest.raises(ValueError, match="without fsdp_lite units runs in one process"):
+        Canonical(nn.Linear(4, 4), virtual_batches=2)
     model = fsdp_lite.FullyShardedDataParallel(nn.Linear(4, 4))
     Canonical(model, virtual_batches=2)
     with pytest.raises(RuntimeError, match="without gradient sync"), model.no_sync():
         model(torch.ones(2, 4)).sum().backward()
+    # Two units over two process groups of the same ranks.
+    two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fsdp_lite.fully_shard(two[0], mesh=DeviceMesh.from_group(dist.new_group([0, 1]), "cpu"))
+    fsdp_lite.fully_shard(two, mesh=DeviceMesh.from_group(dist.new_group([0, 1]), "cpu"))
+    with pytest.raises(NotImplementedError, match="share one process group"):
+        Canonical(two, virtual_batches=2)
+    torch.set_num_threads(1 + rank)
+    try:
+        with pytest.raises(RuntimeError, match=r"same torch.get_num_threads\(\) on every rank"):
+            Canonical(fsdp_lite.FullyShardedDataParallel(nn.Linear(4, 4)), virtual_batches=2)
+    finally:
+        torch.set_num_threads(1)
+    # NO_SHARD: the gradient lands on the parameter autograd accumulates into.
+    plain = fsdp_lite.FullyShardedDataParallel(
+        nn.Linear(4, 4), sharding_strategy=fsdp_lite.ShardingStrategy.NO_SHARD
+    )
+    Canonical(plain, virtual_batches=2)
+    plain(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="still holds the last step's gradient"):
+        plain(torch.ones(2, 4)).sum().backward()  # no zero_grad between the steps
+    # Columns: a Shard(1) shard holds no contiguous range of the elements.
+    cols = nn.Linear(4, 4)
+    fsdp_lite.fully_shard(cols, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    canon = Canonical(cols, virtual_batches=2)
+    cols(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(NotImplementedError, match="only dim-0 shards"):
+        canon.clip_grad_norm_(1.0)
+    # HSDP (2 replicas of 1 shard) with the all-reduce across replicas skipped.
+    hsdp = nn.Linear(4, 4)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    fsdp_lite.fully_shard(hsdp, mesh=mesh)
+    Canonical(hsdp, virtual_batches=2)
+    hsdp.set_requires_all_reduce(False)
+    with pytest.raises(RuntimeError, match=r"set_requires_all_reduce\(False\) in the canonical"):
+        hsdp(torch.ones(2, 4)).sum().backward()
 
 
 def test_refusals_at_2_ranks(tmp_path):
-    """V not a multiple of N and no_sync are refused by name."""
+    """V not a multiple of N, a plain module at 2 ranks, no_sync, units over two groups, thread
+    counts that differ, a NO_SHARD gradient not zeroed, a clip of column shards and HSDP without
+    its all-reduce are refused by name."""
     run_ranks(_refusals, 2, tmp_path, timeout=120)

@@ -368,7 +368,8 @@ class CanonicalReduction(Reduction):
         self.tree = canonical.TreeSum(1 if local else per_rank)
         # Gradients landed on parameters autograd accumulates into (plain NO_SHARD's): a
         # backward must not find one there (Note [Canonical leaves]).
-        self.landed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        # By id, checked by identity (a tensor's == is elementwise).
+        self.landed: dict[int, weakref.ref] = {}
 
     def piece_numel(self, p: Param) -> int:
         return self.base.piece_numel(p)
@@ -385,8 +386,10 @@ class CanonicalReduction(Reduction):
         last step and not zeroed would be summed into this step's first leaf.
         """
         for p in unit.trainable:
-            if p.unsharded_param is p.sharded_param and p.sharded_param.grad is not None:
-                if p.sharded_param.grad in self.landed:
+            grad = p.sharded_param.grad
+            if p.unsharded_param is p.sharded_param and grad is not None:
+                landed = self.landed.get(id(grad))
+                if landed is not None and landed() is grad:
                     raise RuntimeError(
                         f"unit {unit.name or '<root>'!r}: {p.fqn!r} still holds the last step's "
                         "gradient; in the canonical reduction mode call optimizer.zero_grad() "
@@ -445,7 +448,9 @@ class CanonicalReduction(Reduction):
     def land(self, p, piece, keep_dtype):
         self.base.land(p, piece, keep_dtype)
         if p.unsharded_param is p.sharded_param:
-            self.landed.add(p.sharded_param.grad)
+            grad = p.sharded_param.grad
+            self.landed = {k: r for k, r in self.landed.items() if r() is not None}
+            self.landed[id(grad)] = weakref.ref(grad)
 
     def divide_factors(self, unit: ShardedUnit) -> tuple[float, float]:
         post = unit.settings.gradient_divide_factor
