@@ -14,6 +14,10 @@ same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulati
 - A ``channels_last`` conv weight, which torch refuses: trained as torch trains a contiguous copy.
 - Dataclass, nested-dataclass and NamedTuple activations between units; a first forward inside
   ``torch.func.jvp`` (both found by torch's own mixed-precision tests, docs/fsdp2.md).
+- ``set_reshard_after_backward(False)``: after each backward the module holds its unsharded params
+  and their unreduced gradients, plain and tensor-parallel, with a zero-bubble schedule's split
+  backward too; an optimizer step in between is gathered again (found by torch's own
+  pending-gradient tests, docs/fsdp2.md).
 """
 
 from __future__ import annotations
@@ -400,6 +404,94 @@ def _check_first_forward_inside_jvp(rank: int, world_size: int) -> None:
             torch.testing.assert_close(mine, ref, rtol=0, atol=0)
 
 
+def _after_each_backward(model: nn.Module, x: torch.Tensor, backward) -> list:
+    """Three backwards under ``set_reshard_after_backward(False)``, the first two without gradient
+    sync: after each, what the module holds (type, shape) and its whole gradient; then, resharded,
+    the reduced gradient."""
+    model.set_reshard_after_backward(False)
+    record = []
+    for step in range(3):
+        model.set_requires_gradient_sync(step == 2)
+        model.set_is_last_backward(step == 2)
+        backward(model, x * (step + 1))
+        grad = model.weight.grad
+        record.append(
+            (type(model.weight).__name__, model.weight.shape, None if grad is None else _full(grad))
+        )
+    model.reshard()
+    record.append(_full(model.weight.grad))
+    return record
+
+
+def _full_backward(model, x) -> None:
+    model(x).sum().backward()
+
+
+def _split_backward(model, x) -> None:
+    """A zero-bubble pipeline schedule's backward: inputs' gradients first, weights' after."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    x = x.detach().requires_grad_(True)
+    out = model(x)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], model.parameters())
+    stage_backward_weight(model.parameters(), groups)
+
+
+def _check_unsharded_after_backward(rank: int, world_size: int) -> None:
+    """``set_reshard_after_backward(False)``: torch FSDP2 leaves the module on its unsharded params,
+    their ``.grad`` the unreduced sum so far; a zero-bubble schedule's weight backward finds the
+    params its input backward saw. Plain and tensor-parallel (dp 1 x tp 2) parameters, found by
+    torch's test_fully_shard_pending_grad.py (docs/fsdp2.md; unit.py Note [Unsharded after
+    backward])."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh_2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(rank))
+
+    def run(api, tp, backward):
+        torch.manual_seed(0)
+        model = nn.Linear(DIM, DIM, bias=False)
+        mesh = None
+        if tp:
+            model = parallelize_module(model, mesh_2d["tp"], ColwiseParallel())
+            mesh = mesh_2d["dp"]
+        api.fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        return _after_each_backward(model, x, backward)
+
+    # (torch's stage_backward_input detaches the stage output in place, which a TP local view
+    # refuses: split backward is for plain parameters only.)
+    for tp, backward in ((False, _full_backward), (False, _split_backward), (True, _full_backward)):
+        what = f"tp={tp}, {backward.__name__}"
+        ours, theirs = run(fsdp_lite, tp, backward), run(torch_fsdp, tp, backward)
+        assert len(ours) == len(theirs), what
+        for i, (mine, ref) in enumerate(zip(ours, theirs)):
+            if isinstance(ref, tuple):
+                assert mine[:2] == ref[:2], f"{what}, backward {i}: {mine[:2]} != {ref[:2]}"
+                mine, ref = mine[2], ref[2]
+            assert (mine is None) == (ref is None), f"{what}, backward {i}: grad {mine}, {ref}"
+            if ref is not None:
+                torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=what)
+
+
+def _check_stale_unsharded_copy_is_gathered_again(rank: int, world_size: int) -> None:
+    """Kept unsharded after backward, then an optimizer step: fsdp_lite's next forward gathers
+    the new shards (torch's would run on the stale copy; an extension, Note [Unsharded after
+    backward])."""
+    torch.manual_seed(0)
+    model = nn.Linear(DIM, DIM)
+    fsdp_lite.fully_shard(model, reshard_after_forward=False)
+    model.set_reshard_after_backward(False)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    assert not isinstance(model.weight, DTensor)  # unsharded, as torch leaves it
+    optim.step()
+    optim.zero_grad()
+    weight, bias = (_full(p.detach()) for p in optim.param_groups[0]["params"])
+    torch.testing.assert_close(model(x), F.linear(x, weight, bias), rtol=0, atol=0)
+
+
 def _check_all_gather_extension_is_refused(rank: int, world_size: int) -> None:
     """torch FSDP2 calls a shard's fsdp_pre/post_all_gather (float8's extension); fsdp_lite does
     not, so it refuses at the next all-gather, before the collective, rather than gather the plain
@@ -422,6 +514,8 @@ CHECKS = {
     "unsynced_bf16_fsdp2": _check_unsynced_bf16_accumulation_fsdp2,
     "unsynced_bf16_fsdp1": _check_unsynced_bf16_accumulation_fsdp1,
     "failed_forward_recovered": _check_a_failed_forward_is_recovered,
+    "unsharded_after_backward": _check_unsharded_after_backward,
+    "stale_unsharded_copy_gathered_again": _check_stale_unsharded_copy_is_gathered_again,
 }
 
 

@@ -40,6 +40,16 @@ forward sees the counters moved and all-gathers into the kept unsharded params, 
 moved, points the modules back at them with no collective. Any in-place change to the shards (a
 loaded state dict, a manual edit under no_grad) is picked up the same way, with no optimizer hook.
 
+Note [Unsharded after backward]: torch FSDP2's ``set_reshard_after_backward(False)`` leaves a
+unit UNSHARDED after its backward: the modules hold the unsharded params, whose ``.grad`` is the
+gradient kept unreduced (no gradient sync) until a backward syncs, and the next forward gathers
+nothing. torch's pipelining relies on it: a zero-bubble schedule's weight backward
+(``stage_backward_weight``) finds the params its input backward saw. Under the FSDP2 front
+(``UnitSettings.unsharded_after_backward``) a unit does the same; under the FSDP1 front the modules
+go back to the shards after backward, as ZeRO-1 needs (Note [ZeRO-1]). One difference from torch,
+an extension: if the shards changed since the gather (an optimizer step), the next forward gathers
+again; torch would run it on the stale unsharded params.
+
 Note [Unsynced accumulation]: backwards without gradient sync (``no_sync``,
 ``set_requires_gradient_sync(False)``) leave their gradients on the unsharded params, and the next
 backward that syncs reduces the sum. Under a ``param_dtype`` (bf16) with a wider ``reduce_dtype``
@@ -190,6 +200,9 @@ class UnitSettings:
     # Backwards without gradient sync sum their gradients in the reduce dtype (torch FSDP2)
     # rather than in the compute dtype (torch FSDP1): Note [Unsynced accumulation].
     unsynced_grads_in_reduce_dtype: bool = False
+    # Under reshard_after_backward=False, the modules keep the unsharded params after backward
+    # (torch FSDP2) rather than going back to the shards (FSDP1): Note [Unsharded after backward].
+    unsharded_after_backward: bool = False
 
     def take_post_optim_event(self) -> Any:
         """The event to wait for, once: the next forward's gathers wait for it, the later ones
@@ -431,9 +444,11 @@ class ShardedUnit:
         self.keeps_frozen_unsharded = self._frozen_beside_trainable and rules.reshard_after_backward
         if rules.reshard_after_backward:
             # What keeping them between backwards kept (Note [ZeRO-1]) goes; the next unshard
-            # gathers again.
-            self._gathered_versions = None
+            # gathers again. Unsharded params in use stay until their next reshard, which frees
+            # them; until then a forward still knows whether they are stale (Note [Unsharded
+            # after backward]).
             if self.state == ShardedState.SHARDED:
+                self._gathered_versions = None
                 for p in self.params:
                     p.free_unsharded()
         elif self.state == ShardedState.UNSHARDED and self._gathered_versions is None:
@@ -517,6 +532,15 @@ class ShardedUnit:
         ``wait_for_unshard`` finishes it. ``async_op``: a prefetch, queued on the all-gather
         side stream where there is one (Note [Side-stream protocol]); a gather needed at once
         stays on the compute stream."""
+        if (
+            phase == "forward"
+            and self.state == ShardedState.UNSHARDED
+            and self._gathered_versions is not None
+            and not self._holds_fresh_copy()
+        ):
+            # Kept unsharded after backward, then the shards changed (an optimizer step): the
+            # copy is stale; gather again into it (Note [Unsharded after backward]).
+            self._to_sharded()
         if self.state == ShardedState.SHARDED and self._holds_fresh_copy():
             self._to_unsharded()  # ZeRO-1 between steps with unchanged shards: nothing to move
         elif self.needs_unshard():
@@ -614,6 +638,19 @@ class ShardedUnit:
                 self._to_sharded()
         elif self.state == ShardedState.SHARDED_POST_FORWARD and not after_forward:
             self._to_sharded()
+
+    def reshard_after_backward(self) -> None:
+        """This unit's backward is over: reshard, unless it stays unsharded (Note [Unsharded
+        after backward])."""
+        if (
+            self.settings.unsharded_after_backward
+            and not self.rules.reshard_after_backward
+            and self.state == ShardedState.UNSHARDED
+            and self._gather is None
+            and self._gathered_versions is not None  # a gathered copy, whose staleness is known
+        ):
+            return
+        self.reshard()
 
     def keep_unsynced_grads(self) -> None:
         """A backward without gradient sync ended (Note [Unsynced accumulation])."""
