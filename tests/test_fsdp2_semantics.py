@@ -18,6 +18,8 @@ same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulati
   and their unreduced gradients, plain and tensor-parallel, with a zero-bubble schedule's split
   backward too; an optimizer step in between is gathered again (found by torch's own
   pending-gradient tests, docs/fsdp2.md).
+- Post-accumulate-grad hooks on the sharded params run once the reduced gradient lands: an
+  optimizer stepped from them trains as torch's (found by torch's own autograd tests).
 """
 
 from __future__ import annotations
@@ -492,6 +494,46 @@ def _check_stale_unsharded_copy_is_gathered_again(rank: int, world_size: int) ->
     torch.testing.assert_close(model(x), F.linear(x, weight, bias), rtol=0, atol=0)
 
 
+def _check_post_accumulate_grad_hooks_run_on_sharded_params(rank: int, world_size: int) -> None:
+    """torch FSDP2 runs a sharded parameter's post-accumulate-grad hooks once its reduced gradient
+    lands: once per synced backward, none without sync; an optimizer stepped from the hook trains
+    as torch's (found by torch's test_fully_shard_autograd.py, docs/fsdp2.md)."""
+
+    def train(api):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM), nn.LayerNorm(DIM)
+        )
+        for module in (model[0], model[2], model):
+            api.fully_shard(module)
+        calls = {n: 0 for n, _ in model.named_parameters()}
+        optims = {p: torch.optim.AdamW([p], lr=0.01, foreach=False) for p in model.parameters()}
+
+        def hook(name, param):
+            calls[name] += 1
+            optims[param].step()
+            optims[param].zero_grad()
+
+        for name, param in model.named_parameters():
+            param.register_post_accumulate_grad_hook(lambda p, n=name: hook(n, p))
+        counts, params = [], []
+        for step in range(2):
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+                model(torch.randn(4, DIM, generator=g)).square().mean().backward()
+                counts.append(dict(calls))
+            params.append({n: _full(p.detach()).clone() for n, p in model.named_parameters()})
+        return counts, params
+
+    (ours, our_params), (theirs, their_params) = train(fsdp_lite), train(torch_fsdp)
+    assert ours == theirs, f"hook calls: fsdp_lite {ours}, torch {theirs}"
+    assert all(n == 2 for n in ours[-1].values()), ours[-1]
+    for mine, ref in zip(our_params, their_params):
+        for name in ref:
+            torch.testing.assert_close(mine[name], ref[name], rtol=0, atol=0, msg=name)
+
+
 def _check_all_gather_extension_is_refused(rank: int, world_size: int) -> None:
     """torch FSDP2 calls a shard's fsdp_pre/post_all_gather (float8's extension); fsdp_lite does
     not, so it refuses at the next all-gather, before the collective, rather than gather the plain
@@ -516,6 +558,7 @@ CHECKS = {
     "failed_forward_recovered": _check_a_failed_forward_is_recovered,
     "unsharded_after_backward": _check_unsharded_after_backward,
     "stale_unsharded_copy_gathered_again": _check_stale_unsharded_copy_is_gathered_again,
+    "post_accumulate_grad_hooks": _check_post_accumulate_grad_hooks_run_on_sharded_params,
 }
 
 

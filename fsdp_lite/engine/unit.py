@@ -203,6 +203,9 @@ class UnitSettings:
     # Under reshard_after_backward=False, the modules keep the unsharded params after backward
     # (torch FSDP2) rather than going back to the shards (FSDP1): Note [Unsharded after backward].
     unsharded_after_backward: bool = False
+    # Run the sharded params' post-accumulate-grad hooks once their reduced gradient lands
+    # (torch FSDP2; torch FSDP1 does not).
+    runs_sharded_grad_hooks: bool = False
 
     def take_post_optim_event(self) -> Any:
         """The event to wait for, once: the next forward's gathers wait for it, the later ones
@@ -796,12 +799,17 @@ class ShardedUnit:
         )
         keep_dtype = self.precision.keep_low_precision_grads
         offset = 0
+        landed = []
         for p, used in zip(self.trainable, used_counts):
             numel = self.reduction.piece_numel(p)
             if used > 0:
                 self.reduction.land(p, output[offset : offset + numel], keep_dtype)
+                landed.append(p)
             offset += numel
         offload.after_grads(self.trainable)
+        if self.settings.runs_sharded_grad_hooks:
+            for p in landed:
+                p.run_grad_hooks()
 
     def gather_full(
         self,

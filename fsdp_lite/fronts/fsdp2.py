@@ -254,6 +254,8 @@ def fully_shard(
     # torch FSDP2 keeps a unit unsharded after backward under reshard_after_backward=False
     # (unit.py Note [Unsharded after backward])
     unit.settings.unsharded_after_backward = True
+    # torch FSDP2 runs the sharded params' post-accumulate-grad hooks after the reduction
+    unit.settings.runs_sharded_grad_hooks = True
     register_grad_hooks(unit, unit.params)
     for p in unit.params:
         p.point_modules_to(p.sharded_param)
