@@ -152,8 +152,9 @@ class Rules:
     shard_params: parameters at rest are 1/N shards (otherwise every rank holds them whole).
     reshard_after_forward: free the unsharded parameters after forward and all-gather again in backward.
     reshard_after_backward: free them after backward. Otherwise their memory stays allocated between
-        steps (the modules still see the shards) and the next forward gathers again, in place, only
-        if the shards have changed since.
+        steps (the FSDP1 front's modules see the shards again, the FSDP2 front's keep the unsharded
+        params, as torch's do: Note [Unsharded after backward]) and the next forward gathers
+        again, in place, only if the shards have changed since.
     grad_reduce: the collective that averages gradients across the shard group; with "all_reduce"
         on sharded params every rank keeps the whole averaged gradient and steps its rows of it.
     replicate: the shard group is one of several replicas; gradients are then all-reduced across

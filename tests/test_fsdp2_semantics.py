@@ -14,6 +14,12 @@ same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulati
 - A ``channels_last`` conv weight, which torch refuses: trained as torch trains a contiguous copy.
 - Dataclass, nested-dataclass and NamedTuple activations between units; a first forward inside
   ``torch.func.jvp`` (both found by torch's own mixed-precision tests, docs/fsdp2.md).
+- ``set_reshard_after_backward(False)``: after each backward the module holds its unsharded params
+  and their unreduced gradients, plain and tensor-parallel, with a zero-bubble schedule's split
+  backward too; an optimizer step in between is gathered again (found by torch's own
+  pending-gradient tests, docs/fsdp2.md).
+- Post-accumulate-grad hooks on the sharded params run once the reduced gradient lands: an
+  optimizer stepped from them trains as torch's (found by torch's own autograd tests).
 """
 
 from __future__ import annotations
@@ -400,6 +406,134 @@ def _check_first_forward_inside_jvp(rank: int, world_size: int) -> None:
             torch.testing.assert_close(mine, ref, rtol=0, atol=0)
 
 
+def _after_each_backward(model: nn.Module, x: torch.Tensor, backward) -> list:
+    """Three backwards under ``set_reshard_after_backward(False)``, the first two without gradient
+    sync: after each, what the module holds (type, shape) and its whole gradient; then, resharded,
+    the reduced gradient."""
+    model.set_reshard_after_backward(False)
+    record = []
+    for step in range(3):
+        model.set_requires_gradient_sync(step == 2)
+        model.set_is_last_backward(step == 2)
+        backward(model, x * (step + 1))
+        grad = model.weight.grad
+        record.append(
+            (type(model.weight).__name__, model.weight.shape, None if grad is None else _full(grad))
+        )
+    model.reshard()
+    record.append(_full(model.weight.grad))
+    return record
+
+
+def _full_backward(model, x) -> None:
+    model(x).sum().backward()
+
+
+def _split_backward(model, x) -> None:
+    """A zero-bubble pipeline schedule's backward: inputs' gradients first, weights' after."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    x = x.detach().requires_grad_(True)
+    out = model(x)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], model.parameters())
+    stage_backward_weight(model.parameters(), groups)
+
+
+def _check_unsharded_after_backward(rank: int, world_size: int) -> None:
+    """``set_reshard_after_backward(False)``: torch FSDP2 leaves the module on its unsharded params,
+    their ``.grad`` the unreduced sum so far; a zero-bubble schedule's weight backward finds the
+    params its input backward saw. Plain and tensor-parallel (dp 1 x tp 2) parameters, found by
+    torch's test_fully_shard_pending_grad.py (docs/fsdp2.md; unit.py Note [Unsharded after
+    backward])."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh_2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(rank))
+
+    def run(api, tp, backward):
+        torch.manual_seed(0)
+        model = nn.Linear(DIM, DIM, bias=False)
+        mesh = None
+        if tp:
+            model = parallelize_module(model, mesh_2d["tp"], ColwiseParallel())
+            mesh = mesh_2d["dp"]
+        api.fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        return _after_each_backward(model, x, backward)
+
+    # (torch's stage_backward_input detaches the stage output in place, which a TP local view
+    # refuses: split backward is for plain parameters only.)
+    for tp, backward in ((False, _full_backward), (False, _split_backward), (True, _full_backward)):
+        what = f"tp={tp}, {backward.__name__}"
+        ours, theirs = run(fsdp_lite, tp, backward), run(torch_fsdp, tp, backward)
+        assert len(ours) == len(theirs), what
+        for i, (mine, ref) in enumerate(zip(ours, theirs)):
+            if isinstance(ref, tuple):
+                assert mine[:2] == ref[:2], f"{what}, backward {i}: {mine[:2]} != {ref[:2]}"
+                mine, ref = mine[2], ref[2]
+            assert (mine is None) == (ref is None), f"{what}, backward {i}: grad {mine}, {ref}"
+            if ref is not None:
+                torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=what)
+
+
+def _check_stale_unsharded_copy_is_gathered_again(rank: int, world_size: int) -> None:
+    """Kept unsharded after backward, then an optimizer step: fsdp_lite's next forward gathers
+    the new shards (torch's would run on the stale copy; an extension, Note [Unsharded after
+    backward])."""
+    torch.manual_seed(0)
+    model = nn.Linear(DIM, DIM)
+    fsdp_lite.fully_shard(model, reshard_after_forward=False)
+    model.set_reshard_after_backward(False)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    assert not isinstance(model.weight, DTensor)  # unsharded, as torch leaves it
+    optim.step()
+    optim.zero_grad()
+    weight, bias = (_full(p.detach()) for p in optim.param_groups[0]["params"])
+    torch.testing.assert_close(model(x), F.linear(x, weight, bias), rtol=0, atol=0)
+
+
+def _check_post_accumulate_grad_hooks_run_on_sharded_params(rank: int, world_size: int) -> None:
+    """torch FSDP2 runs a sharded parameter's post-accumulate-grad hooks once its reduced gradient
+    lands: once per synced backward, none without sync; an optimizer stepped from the hook trains
+    as torch's (found by torch's test_fully_shard_autograd.py, docs/fsdp2.md)."""
+
+    def train(api):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM), nn.LayerNorm(DIM)
+        )
+        for module in (model[0], model[2], model):
+            api.fully_shard(module)
+        calls = {n: 0 for n, _ in model.named_parameters()}
+        optims = {p: torch.optim.AdamW([p], lr=0.01, foreach=False) for p in model.parameters()}
+
+        def hook(name, param):
+            calls[name] += 1
+            optims[param].step()
+            optims[param].zero_grad()
+
+        for name, param in model.named_parameters():
+            param.register_post_accumulate_grad_hook(lambda p, n=name: hook(n, p))
+        counts, params = [], []
+        for step in range(2):
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+                model(torch.randn(4, DIM, generator=g)).square().mean().backward()
+                counts.append(dict(calls))
+            params.append({n: _full(p.detach()).clone() for n, p in model.named_parameters()})
+        return counts, params
+
+    (ours, our_params), (theirs, their_params) = train(fsdp_lite), train(torch_fsdp)
+    assert ours == theirs, f"hook calls: fsdp_lite {ours}, torch {theirs}"
+    assert all(n == 2 for n in ours[-1].values()), ours[-1]
+    for mine, ref in zip(our_params, their_params):
+        for name in ref:
+            torch.testing.assert_close(mine[name], ref[name], rtol=0, atol=0, msg=name)
+
+
 def _check_all_gather_extension_is_refused(rank: int, world_size: int) -> None:
     """torch FSDP2 calls a shard's fsdp_pre/post_all_gather (float8's extension); fsdp_lite does
     not, so it refuses at the next all-gather, before the collective, rather than gather the plain
@@ -422,6 +556,9 @@ CHECKS = {
     "unsynced_bf16_fsdp2": _check_unsynced_bf16_accumulation_fsdp2,
     "unsynced_bf16_fsdp1": _check_unsynced_bf16_accumulation_fsdp1,
     "failed_forward_recovered": _check_a_failed_forward_is_recovered,
+    "unsharded_after_backward": _check_unsharded_after_backward,
+    "stale_unsharded_copy_gathered_again": _check_stale_unsharded_copy_is_gathered_again,
+    "post_accumulate_grad_hooks": _check_post_accumulate_grad_hooks_run_on_sharded_params,
 }
 
 

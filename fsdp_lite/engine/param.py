@@ -395,6 +395,15 @@ class Param:
         self.unsharded_param.grad = None
         self.unsharded_accumulated_grad = None
 
+    def run_grad_hooks(self) -> None:
+        """Run ``sharded_param``'s post-accumulate-grad hooks, its reduced gradient just landed:
+        torch FSDP2 does (an optimizer stepped from a hook, per parameter), and autograd never
+        accumulates into the parameter the optimizer holds
+        (``UnitSettings.runs_sharded_grad_hooks``)."""
+        hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}
+        for hook in tuple(hooks.values()):
+            hook(self.sharded_param)
+
     def reset_sharded_param(self, param_dtype: torch.dtype | None) -> bool:
         """Take back the parameter after ``nn.Module._apply`` (``to``, ``double``, ``to_empty``...).
 
@@ -745,6 +754,9 @@ class ReplicatedParam(Param):
     def keep_unsynced_grad(self, reduce_dtype: torch.dtype) -> None:
         """Nothing: autograd accumulates in the parameter's own grad, as DDP does."""
 
+    def run_grad_hooks(self) -> None:
+        """Nothing: autograd accumulated into the parameter itself and ran its hooks."""
+
     def land_whole(self, averaged_grad: torch.Tensor, keep_dtype: bool) -> None:
         """The averaged gradient, in the parameter's own dtype (forward ran in it), written
         over what autograd accumulated (which is in the average); a parameter unused on this
@@ -813,6 +825,7 @@ class ReplicatedCopyParam(ReplicatedParam):
     take_unsharded_grad = Param.take_unsharded_grad  # the copy's, dropped from it
     drop_unsharded_grad = Param.drop_unsharded_grad
     keep_unsynced_grad = Param.keep_unsynced_grad
+    run_grad_hooks = Param.run_grad_hooks  # autograd accumulated into the copy
 
     def land_whole(self, averaged_grad: torch.Tensor, keep_dtype: bool) -> None:
         """The averaged gradient of the copy, moved to the parameter's device and, unless

@@ -312,7 +312,7 @@ class StepRuntime:
         rec = self.record(unit)
         rec.input_grads_pending -= 1
         if rec.input_grads_pending == 0 and (rec.ran_post_backward or not unit.trainable):
-            unit.reshard()
+            unit.reshard_after_backward()
 
     @eager
     def post_forward(self, unit: ShardedUnit, output):
@@ -396,7 +396,7 @@ class StepRuntime:
             unit.keeps_frozen_unsharded and not rec.inputs_hooked
         )
         if not waits:
-            unit.reshard()
+            unit.reshard_after_backward()
         unit.enter(TrainingState.IDLE)
 
     def _reduce(self, unit: ShardedUnit) -> None:
@@ -437,7 +437,7 @@ class StepRuntime:
         while self._in_flight:
             self._advance_in_flight()
         for unit in self.units:
-            unit.reshard()
+            unit.reshard_after_backward()
             unit.end_of_backward()
         self._backward.clear()
         self._callback_queued = False
@@ -456,7 +456,7 @@ class StepRuntime:
             and not self.record(unit).reduced
         ):
             self._reduce(unit)
-        unit.reshard()
+        unit.reshard_after_backward()
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: land every collective in flight, then put

@@ -44,6 +44,16 @@ version counter (measured: AdamW(foreach=True), the default on accelerators, lef
 at 0 and trained on stale params), so every optimizer step also marks the kept copies stale, through
 torch's global step hook (``_forget_kept_copies``).
 
+Note [Unsharded after backward]: torch FSDP2's ``set_reshard_after_backward(False)`` leaves a
+unit UNSHARDED after its backward: the modules hold the unsharded params, whose ``.grad`` is the
+gradient kept unreduced (no gradient sync) until a backward syncs, and the next forward gathers
+nothing. torch's pipelining relies on it: a zero-bubble schedule's weight backward
+(``stage_backward_weight``) finds the params its input backward saw. Under the FSDP2 front
+(``UnitSettings.unsharded_after_backward``) a unit does the same; under the FSDP1 front the modules
+go back to the shards after backward, as ZeRO-1 needs (Note [ZeRO-1]). One difference from torch,
+an extension: if the shards changed since the gather (an optimizer step), the next forward gathers
+again; torch would run it on the stale unsharded params.
+
 Note [Unsynced accumulation]: backwards without gradient sync (``no_sync``,
 ``set_requires_gradient_sync(False)``) leave their gradients on the unsharded params, and the next
 backward that syncs reduces the sum. Under a ``param_dtype`` (bf16) with a wider ``reduce_dtype``
@@ -196,6 +206,12 @@ class UnitSettings:
     # Backwards without gradient sync sum their gradients in the reduce dtype (torch FSDP2)
     # rather than in the compute dtype (torch FSDP1): Note [Unsynced accumulation].
     unsynced_grads_in_reduce_dtype: bool = False
+    # Under reshard_after_backward=False, the modules keep the unsharded params after backward
+    # (torch FSDP2) rather than going back to the shards (FSDP1): Note [Unsharded after backward].
+    unsharded_after_backward: bool = False
+    # Run the sharded params' post-accumulate-grad hooks once their reduced gradient lands
+    # (torch FSDP2; torch FSDP1 does not).
+    runs_sharded_grad_hooks: bool = False
 
     def take_post_optim_event(self) -> Any:
         """The event to wait for, once: the next forward's gathers wait for it, the later ones
@@ -612,9 +628,11 @@ class ShardedUnit:
         self.keeps_frozen_unsharded = self._frozen_beside_trainable and rules.reshard_after_backward
         if rules.reshard_after_backward:
             # What keeping them between backwards kept (Note [ZeRO-1]) goes; the next unshard
-            # gathers again.
-            self._gathered_versions = None
+            # gathers again. Unsharded params in use stay until their next reshard, which frees
+            # them; until then a forward still knows whether they are stale (Note [Unsharded
+            # after backward]).
             if self.state == ShardedState.SHARDED:
+                self._gathered_versions = None
                 for p in self.params:
                     p.free_unsharded()
         elif self.state == ShardedState.UNSHARDED and self._gathered_versions is None:
@@ -716,6 +734,15 @@ class ShardedUnit:
         ``wait_for_unshard`` finishes it. ``async_op``: a prefetch, queued on the all-gather
         side stream where there is one (Note [Side-stream protocol]); a gather needed at once
         stays on the compute stream."""
+        if (
+            phase == "forward"
+            and self.state == ShardedState.UNSHARDED
+            and self._gathered_versions is not None
+            and not self._holds_fresh_copy()
+        ):
+            # Kept unsharded after backward, then the shards changed (an optimizer step): the
+            # copy is stale; gather again into it (Note [Unsharded after backward]).
+            self._to_sharded()
         if self.state == ShardedState.SHARDED and self._holds_fresh_copy():
             self._to_unsharded()  # ZeRO-1 between steps with unchanged shards: nothing to move
         elif self.needs_unshard():
@@ -813,6 +840,19 @@ class ShardedUnit:
                 self._to_sharded()
         elif self.state == ShardedState.SHARDED_POST_FORWARD and not after_forward:
             self._to_sharded()
+
+    def reshard_after_backward(self) -> None:
+        """This unit's backward is over: reshard, unless it stays unsharded (Note [Unsharded
+        after backward])."""
+        if (
+            self.settings.unsharded_after_backward
+            and not self.rules.reshard_after_backward
+            and self.state == ShardedState.UNSHARDED
+            and self._gather is None
+            and self._gathered_versions is not None  # a gathered copy, whose staleness is known
+        ):
+            return
+        self.reshard()
 
     def keep_unsynced_grads(self) -> None:
         """A backward without gradient sync ended (Note [Unsynced accumulation])."""
@@ -969,12 +1009,17 @@ class ShardedUnit:
         )
         keep_dtype = self.precision.keep_low_precision_grads
         offset = 0
+        landed = []
         for p, used in zip(self.trainable, used_counts):
             numel = self.reduction.piece_numel(p)
             if used > 0:
                 self.reduction.land(p, output[offset : offset + numel], keep_dtype)
+                landed.append(p)
             offset += numel
         offload.after_grads(self.trainable)
+        if self.settings.runs_sharded_grad_hooks:
+            for p in landed:
+                p.run_grad_hooks()
 
     def gather_full(
         self,

@@ -251,6 +251,11 @@ def fully_shard(
     unit.settings.root_keeps_params = reshard_after_forward is None
     # torch FSDP2 sums unsynced gradients in the reduce dtype (unit.py Note [Unsynced accumulation])
     unit.settings.unsynced_grads_in_reduce_dtype = True
+    # torch FSDP2 keeps a unit unsharded after backward under reshard_after_backward=False
+    # (unit.py Note [Unsharded after backward])
+    unit.settings.unsharded_after_backward = True
+    # torch FSDP2 runs the sharded params' post-accumulate-grad hooks after the reduction
+    unit.settings.runs_sharded_grad_hooks = True
     register_grad_hooks(unit, unit.params)
     for p in unit.params:
         p.point_modules_to(p.sharded_param)
@@ -585,8 +590,9 @@ class FSDPModule(TorchFSDPModule):
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        """False: the unsharded params stay after backward; the next forward gathers only if the
-        shards changed (Note [ZeRO-1] in unit.py)."""
+        """False: the unit stays unsharded after backward, its gradients unreduced (no gradient
+        sync) on the unsharded params; the next forward gathers only if the shards changed
+        (Note [Unsharded after backward] in unit.py)."""
         for m in self._owners(recurse):
             unit = m._unit
             unit.set_rules(
