@@ -1,5 +1,6 @@
-"""SHARD_OPTIM keeps its unsharded params between steps and gathers again only when the shards
-changed (Note [ZeRO-1] in engine/unit.py). torch's foreach and fused optimizers change a DTensor in
+"""SHARD_OPTIM keeps its unsharded params between steps, and the FSDP2 front under
+set_reshard_after_backward(False) keeps them from backward to the next forward; both gather again
+only when the shards changed (Notes [ZeRO-1] and [Unsharded after backward] in engine/unit.py). torch's foreach and fused optimizers change a DTensor in
 place without moving a version counter; every optimizer implementation must still train bitwise as
 DDP does at 2 ranks (3 steps)."""
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import fsdp_lite
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite import ShardingStrategy
 from tests.parity import POLICIES, build_model, local, loss_fn, rank_batch, shard_of
@@ -27,6 +29,9 @@ def _params_after_training(kind: str, make_optim, rank: int, world_size: int) ->
     model = build_model("mlp")
     if kind == "ddp":
         model = DDP(model)
+    elif kind == "fully_shard_kept":  # FSDP2's keep: unsharded from backward to the next forward
+        fsdp_lite.fully_shard(model)
+        model.set_reshard_after_backward(False)
     else:
         model = FSDP(
             model,
@@ -42,13 +47,15 @@ def _params_after_training(kind: str, make_optim, rank: int, world_size: int) ->
         optim.zero_grad()
     if kind == "ddp":
         return [shard_of(p.detach(), rank, world_size) for p in model.parameters()]
+    if kind == "fully_shard_kept":
+        model.reshard()  # the modules held the unsharded params since the last backward
     return [local(p).detach().clone() for p in model.parameters()]
 
 
-def _check(name: str):
+def _check(name: str, kind: str = "fsdp"):
     def check(rank: int, world_size: int) -> None:
         ddp = _params_after_training("ddp", OPTIMIZERS[name], rank, world_size)
-        ours = _params_after_training("fsdp", OPTIMIZERS[name], rank, world_size)
+        ours = _params_after_training(kind, OPTIMIZERS[name], rank, world_size)
         assert len(ours) == len(ddp)
         for i, (mine, ref) in enumerate(zip(ours, ddp)):
             torch.testing.assert_close(
@@ -59,6 +66,7 @@ def _check(name: str):
 
 
 CHECKS = {name: _check(name) for name in OPTIMIZERS}
+CHECKS.update({f"{name}/fully_shard_kept": _check(name, "fully_shard_kept") for name in OPTIMIZERS})
 
 
 def _rank(rank: int, world_size: int) -> dict[str, str]:
@@ -70,7 +78,8 @@ def results(tmp_path_factory):
     return run_ranks(_rank, 2, tmp_path_factory.mktemp("kept"), timeout=180)
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_shard_optim_with_every_optimizer_implementation_is_ddp(results, name):
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_kept_params_with_every_optimizer_implementation_are_ddp(results, name):
+    """SHARD_OPTIM, and fully_shard with set_reshard_after_backward(False)."""
     for rank, failures in enumerate(results):
         assert name not in failures, f"rank {rank}:\n{failures[name]}"
