@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 
 from fsdp_lite.engine import canonical, collectives
@@ -108,9 +109,13 @@ class Canonical:
                 )
         for unit in self.units:
             unit.use_canonical(virtual_batches, local=schedule == "local")
-        # A plain module: every parameter's gradient climbs the tree as it arrives.
+        # A plain module: at the end of each backward every parameter's gradient (zeros for one
+        # this micro-batch did not use, as the units' reductions fill them) climbs its tree.
         self._trees: dict[nn.Parameter, canonical.TreeSum] = {}
         self._landed: dict[nn.Parameter, weakref.ref] = {}
+        self._leaves: dict[nn.Parameter, torch.Tensor] = {}  # this backward's gradients
+        self._used: dict[nn.Parameter, bool] = {}  # a leaf of this step had a gradient
+        self._end_queued = False
         if not self.units:
             for p in module.parameters():
                 if p.requires_grad:
@@ -179,19 +184,32 @@ class Canonical:
     # ---- gradients -----------------------------------------------------------------------------
 
     def _climb(self, p: nn.Parameter) -> None:
-        """A plain module's hook: move this backward's gradient into the parameter's tree; the
-        root, / V, becomes the gradient after the step's last micro-batch."""
+        """A plain module's hook: take this backward's gradient off the parameter; at the end
+        of the backward every parameter's leaf climbs its tree (``_end_of_backward``)."""
         landed = self._landed.get(p)
         if landed is not None and landed() is p.grad:
             raise RuntimeError(
                 "Canonical: a gradient from the last step is still there; call "
                 "optimizer.zero_grad() (set_to_none, its default) between steps"
             )
-        leaf, p.grad = p.grad, None
-        total = self._trees[p].push(leaf)
-        if total is not None:
-            p.grad = total.div_(self.virtual_batches)
-            self._landed[p] = weakref.ref(p.grad)
+        self._leaves[p], p.grad = p.grad, None
+        if not self._end_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
+
+    def _end_of_backward(self) -> None:
+        """Push every parameter's leaf, zeros where this micro-batch left none; after the
+        step's last micro-batch the root, / V, becomes the gradient of each parameter some leaf
+        used (the others keep None)."""
+        self._end_queued = False
+        leaves, self._leaves = self._leaves, {}
+        for p, tree in self._trees.items():
+            leaf = leaves.get(p)
+            self._used[p] = self._used.get(p, False) or leaf is not None
+            total = tree.push(leaf if leaf is not None else torch.zeros_like(p))
+            if total is not None and self._used.pop(p):
+                p.grad = total.div_(self.virtual_batches)
+                self._landed[p] = weakref.ref(p.grad)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer whose result for an element depends on where it sits in its

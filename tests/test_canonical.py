@@ -32,7 +32,8 @@ VOCAB, DIM = 29, 12  # 29 rows: uneven at 2 and at 4 ranks
 
 class Net(nn.Module):
     """An embedding, two blocks (LayerNorm, Linear 7 rows out, Linear back) and a head; the first
-    block's LayerNorm is frozen."""
+    block's LayerNorm is frozen; ``gate`` is used only by micro-batches whose first token is even,
+    ``spare`` by none."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,11 +43,15 @@ class Net(nn.Module):
             for _ in range(2)
         )
         self.head = nn.Linear(DIM, VOCAB)
+        self.gate = nn.Parameter(torch.ones(DIM))
+        self.spare = nn.Parameter(torch.zeros(3))
         for p in self.blocks[0][0].parameters():
             p.requires_grad_(False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
+        if int(tokens[0, 0]) % 2 == 0:
+            x = x * self.gate
         for block in self.blocks:
             x = x + block(x)
         return self.head(x)

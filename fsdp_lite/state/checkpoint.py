@@ -537,12 +537,20 @@ def _check_files(path: Path, metadata: Metadata, manifest: Manifest | None) -> N
 
 
 def _check_keys(path: Path, state: dict, metadata: Metadata, strict: bool) -> None:
-    """The checkpoint has every tensor the model and optimizer need, in the same global shape."""
+    """The checkpoint has every tensor the model and optimizer need, in the same global shape
+    (a parameter whose optimizer state the checkpoint lacks entirely is left out of ``state``)."""
     # DCP's own flattening, so the names are the ones its metadata uses ("model.fc1.weight").
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    flat, _ = flatten_state_dict(state)
     saved = metadata.state_dict_metadata
+    # A parameter the saved optimizer held no state for (it never had a gradient: an unused
+    # parameter) has none of its keys in the checkpoint: it loads stateless, as it was saved.
+    optim_state_by_name = state.get("optim", {}).get("state", {})
+    for name in list(optim_state_by_name):
+        keys = [f"optim.state.{name}.{key}" for key in optim_state_by_name[name]]
+        if keys and not any(key in saved for key in keys):
+            del optim_state_by_name[name]
+    flat, _ = flatten_state_dict(state)
     missing = sorted(k for k in flat if k not in saved)
     shapes = []
     for key, value in flat.items():
