@@ -370,7 +370,7 @@ CATALOG: tuple[Bug, ...] = (
         ),
         P(
             "engine/unit.py",
-            "    for unit in list(_KEEPING):\n        unit._stepped_since_gather = True\n",
+            "    for unit in list(_KEEPING):\n        unit._gathered_versions = STALE\n",
             "    for unit in list(_KEEPING):\n        pass  # planted: an optimizer step changes nothing\n",
         ),
         first=("*/SHARD_OPTIM/fp32/plain/*",),
@@ -384,7 +384,7 @@ CATALOG: tuple[Bug, ...] = (
         "on accelerators, left every version counter of the DTensor where it was)",
         P(
             "engine/unit.py",
-            "    for unit in list(_KEEPING):\n        unit._stepped_since_gather = True\n",
+            "    for unit in list(_KEEPING):\n        unit._gathered_versions = STALE\n",
             "    for unit in list(_KEEPING):\n        pass  # planted: versions alone decide\n",
         ),
         first=("*/SHARD_OPTIM/fp32/foreach_optimizer/*",),

@@ -517,6 +517,9 @@ def _reduction(rules: Rules, replicate_group: dist.ProcessGroup | None) -> Reduc
     return HybridReduceScatter() if replicate_group is not None else ReduceScatter()
 
 
+# What a unit's ``_gathered_versions`` becomes when an optimizer step came after its gather: kept
+# unsharded params that no version counter can vouch for.
+STALE: list[tuple[int, int]] = []
 # Units holding kept unsharded params (Note [ZeRO-1]); any optimizer step makes them stale.
 _KEEPING: weakref.WeakSet[ShardedUnit] = weakref.WeakSet()
 _STEP_HOOK: list = []  # the one global hook, registered with the first unit that keeps a copy
@@ -525,7 +528,7 @@ _STEP_HOOK: list = []  # the one global hook, registered with the first unit tha
 def _forget_kept_copies(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """torch's optimizer step post-hook: the next unshard of every keeping unit gathers again."""
     for unit in list(_KEEPING):
-        unit._stepped_since_gather = True
+        unit._gathered_versions = STALE
     _KEEPING.clear()
 
 
@@ -586,7 +589,6 @@ class ShardedUnit:
         self._post_forward: _PostForward | None = None
         self._post_forward_rows: torch.Tensor | None = None  # hpZ's block, forward to backward
         self._gathered_versions: list[tuple[int, int]] | None = None  # at the last gather
-        self._stepped_since_gather = False  # an optimizer step came since (_forget_kept_copies)
         self._partial_reduce_output: torch.Tensor | None = None  # set_requires_all_reduce(False)
         self._frozen_beside_trainable = copies and len(self.trainable) < len(params)
         self.rules = rules
@@ -716,13 +718,12 @@ class ShardedUnit:
 
     def _holds_fresh_copy(self) -> bool:
         """ZeRO-1: the kept unsharded params still equal the shards (Note [ZeRO-1])."""
-        if self._stepped_since_gather:  # a step that may have moved no version counter
+        if self._gathered_versions is STALE:  # a step that may have moved no version counter
             return False
         return self._gathered_versions is not None and self._gathered_versions == self._versions()
 
     def _remember_versions(self) -> None:
         self._gathered_versions = self._versions()
-        self._stepped_since_gather = False
         _KEEPING.add(self)
         if not _STEP_HOOK:
             _STEP_HOOK.append(register_optimizer_step_post_hook(_forget_kept_copies))
