@@ -286,5 +286,4 @@ class Canonical:
                 f"Canonical.clip_grad_norm_: {owner.fqn!r} is sharded on dim {owner.shard_dim}; "
                 "only dim-0 shards hold a contiguous range of the parameter's elements"
             )
-        row_numel = owner.numel // owner.orig_size[0] if owner.orig_size[0] else 0
-        return flat, owner.rank * owner.shard_rows * row_numel, True
+        return flat, owner.rank * owner.shard_numel, True  # whole rows before this rank's

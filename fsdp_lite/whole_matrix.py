@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_lite.engine.observe import Collective, Observer
+from fsdp_lite.engine.offload import with_local
 
 __all__ = ["WholeMatrix", "newton_schulz_cost"]
 
@@ -376,17 +377,9 @@ class WholeMatrix:
             "sizes": sizes,
         }
 
-    def _wrap(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        if not isinstance(param, DTensor):
-            return local
-        return DTensor.from_local(
-            local,
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+    @staticmethod
+    def _wrap(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        return with_local(param, local) if isinstance(param, DTensor) else local
 
 
 def _balance(costs: list[int], ranks: int) -> list[int]:

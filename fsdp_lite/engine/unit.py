@@ -385,7 +385,7 @@ class CanonicalReduction(Reduction):
         # Gradients landed on parameters autograd accumulates into (plain NO_SHARD's): a
         # backward must not find one there (Note [Canonical leaves]).
         # By id, checked by identity (a tensor's == is elementwise).
-        self.landed: dict[int, weakref.ref] = {}
+        self.landed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def piece_numel(self, p: Param) -> int:
         return self.base.piece_numel(p)
@@ -404,8 +404,7 @@ class CanonicalReduction(Reduction):
         for p in unit.trainable:
             grad = p.sharded_param.grad
             if p.unsharded_param is p.sharded_param and grad is not None:
-                landed = self.landed.get(id(grad))
-                if landed is not None and landed() is grad:
+                if self.landed.get(id(grad)) is grad:
                     raise RuntimeError(
                         f"unit {unit.name or '<root>'!r}: {p.fqn!r} still holds the last step's "
                         "gradient; in the canonical reduction mode call optimizer.zero_grad() "
@@ -465,8 +464,7 @@ class CanonicalReduction(Reduction):
         self.base.land(p, piece, keep_dtype)
         if p.unsharded_param is p.sharded_param:
             grad = p.sharded_param.grad
-            self.landed = {k: r for k, r in self.landed.items() if r() is not None}
-            self.landed[id(grad)] = weakref.ref(grad)
+            self.landed[id(grad)] = grad
 
     def divide_factors(self, unit: ShardedUnit) -> tuple[float, float]:
         post = unit.settings.gradient_divide_factor
