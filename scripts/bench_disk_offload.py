@@ -63,8 +63,9 @@ def build(width: int, layers: int) -> nn.Module:
     )
 
 
-def rank_main(rank: int, args: argparse.Namespace, mode: str, rendezvous: str, out: str) -> None:
+def rank_main(rank: int, args: argparse.Namespace, mode: str, out: str) -> None:
     torch.set_num_threads(1)
+    rendezvous = os.path.join(os.path.dirname(out), "rendezvous")
     dist.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.world_size
     )
@@ -120,22 +121,24 @@ def rank_main(rank: int, args: argparse.Namespace, mode: str, rendezvous: str, o
     Path(out).write_text(json.dumps(result))
 
 
-def run_mode(args: argparse.Namespace, mode: str) -> list[dict]:
+def launch(world_size: int, target, args: tuple, label: str) -> list[dict]:
+    """``target(rank, *args, out)`` on ``world_size`` spawned ranks; the JSON each wrote to
+    ``out`` (their rendezvous file sits beside it)."""
     with tempfile.TemporaryDirectory() as tmp:
-        rendezvous = os.path.join(tmp, "rendezvous")
-        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(args.world_size)]
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world_size)]
         ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(target=rank_main, args=(r, args, mode, rendezvous, outs[r]))
-            for r in range(args.world_size)
-        ]
+        procs = [ctx.Process(target=target, args=(r, *args, outs[r])) for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:
             p.join()
         if any(p.exitcode != 0 for p in procs):
-            raise SystemExit(f"mode {mode}: a rank failed ({[p.exitcode for p in procs]})")
+            raise SystemExit(f"{label}: a rank failed ({[p.exitcode for p in procs]})")
         return [json.loads(Path(o).read_text()) for o in outs]
+
+
+def run_mode(args: argparse.Namespace, mode: str) -> list[dict]:
+    return launch(args.world_size, rank_main, (args, mode), f"mode {mode}")
 
 
 def summarize(results: dict[str, list[dict]]) -> list[dict]:

@@ -241,7 +241,10 @@ def _unused_pid() -> int:
     return pid
 
 
-def test_a_live_jobs_files_in_another_pid_namespace_are_kept(tmp_path):
+def test_a_second_run_on_a_live_runs_directory_is_refused_and_its_files_kept(tmp_path):
+    """A live job in another PID namespace holds a store; a second run on the same directory is
+    refused, naming it, and the first job's files stay; on a directory of its own on the same
+    disk the second run trains (disk.py Note [One run per directory])."""
     base = tmp_path / "offload"
     base.mkdir()
     pid = _unused_pid()
@@ -263,15 +266,25 @@ def test_a_live_jobs_files_in_another_pid_namespace_are_kept(tmp_path):
         assert directory.is_dir() and f"pid{pid}-" in directory.name, other.stderr.read()
         files = sorted(p.name for p in directory.iterdir())
         assert files, "the other job's shards are in files"
-        # This job starts on the same disk and host name: the other's pid looks dead from here
-        # (os.kill(pid, 0) raises), which is what made the old clean-up delete its files.
-        finished = _run_alone(base, tmp_path, crash=False)
-        assert finished.returncode == 0, finished.stderr
+        # The other's pid looks dead from here (os.kill(pid, 0) raises), which is what once made
+        # the clean-up delete a live job's files; its lock says it lives.
+        refused = _run_alone(base, tmp_path, crash=False)
+        assert refused.returncode != 0
+        last = refused.stderr.strip().splitlines()[-1].removeprefix("[rank0]: ")
+        assert last == (
+            f"ValueError: CPUOffload.offload_dir {str(base)!r} is in use by another run on this "
+            f"host ({directory.name} is live): give each run a directory of its own"
+        ), refused.stderr[-2000:]
         assert sorted(p.name for p in directory.iterdir()) == files, "a live job's files went"
+        assert sorted(p.name for p in base.iterdir()) == [directory.name, f"{directory.name}.lock"]
+        own = tmp_path / "offload-2"  # the same disk, a directory of its own
+        own.mkdir()
+        finished = _run_alone(own, tmp_path, crash=False)
+        assert finished.returncode == 0, finished.stderr
     finally:
         other.communicate(timeout=60)  # closes its stdin: it ends normally
     assert other.returncode == 0, other.stderr
-    assert list(base.iterdir()) == [], "each job removed its own directory and lock at exit"
+    assert list(base.iterdir()) == [] and list(own.iterdir()) == [], "each removed its own"
 
 
 def _full_disk_rank(rank: int, world_size: int, bases: list[str], limits: list[int]) -> str:
@@ -325,11 +338,67 @@ def test_a_full_disk_while_wrapping_is_named_and_fails_every_rank(tmp_path):
     assert list(base.iterdir()) == [], "every directory made before the failure is gone"
 
 
-TMPFS_BYTES = 16 * 1024
+def _resume_rank(
+    rank: int, world_size: int, base: str, ckpt: str, start: int, kill_at: int
+) -> tuple[list[str], dict[str, list]]:
+    """AdamW steps ``start``..2 of the lm with disk offload, stepping unit by unit; from the
+    checkpoint in ``ckpt`` when ``start`` > 0, saving one there after step 0. At step
+    ``kill_at`` rank 1 is killed (SIGKILL) after its first unit's optimizer step."""
+    import signal
+
+    from fsdp_lite import checkpoint
+
+    model = FSDP(
+        build_model("lm"),
+        auto_wrap_policy=POLICIES["lm"],
+        cpu_offload=CPUOffload(offload_params=True, offload_dir=base),
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    found = sorted(os.listdir(base))  # after wrapping: only live runs' directories
+    if start > 0:
+        checkpoint.load(model, optim, ckpt)
+    for step in range(start, 3):
+        x, y = rank_batch("lm", step, rank, world_size)
+        loss_fn("lm", model(x), y).backward()
+        if step == kill_at and rank == 1:
+            optim.register_step_post_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+        disk_offload.step(model, optim)
+        optim.zero_grad()
+        if step == 0 and start == 0:
+            checkpoint.save(model, optim, ckpt)
+    state = {k: v.tolist() for k, v in model.state_dict().items()}  # exact: fp32 to float
+    disk_offload.close(model)
+    return found, state
 
 
-def test_a_real_enospc_names_the_file_and_the_bytes(tmp_path):
-    """A 16 KiB tmpfs in a mount namespace of its own (root only; skipped elsewhere)."""
+def test_a_rank_killed_mid_step_leaves_files_the_next_start_removes_and_the_checkpoint_resumes(
+    tmp_path,
+):
+    """Two ranks with disk offload save a checkpoint after step 0; rank 1 is killed inside step 1's
+    optimizer step (run_ranks then kills rank 0, as torchrun does). The next start on the same
+    directory removes both dead directories, loads the checkpoint and trains steps 1 and 2
+    bitwise like a run that was never interrupted."""
+    base, ckpt = tmp_path / "offload", tmp_path / "ckpt"
+    base.mkdir()
+    _, never_stopped = run_ranks(
+        _resume_rank, 2, tmp_path, args=(str(base), str(tmp_path / "unused"), 0, -1)
+    )[0]
+    with pytest.raises(AssertionError, match="rank 1"):
+        run_ranks(_resume_rank, 2, tmp_path, args=(str(base), str(ckpt), 0, 1), in_step=False)
+    dead = sorted(p.name for p in base.iterdir())
+    assert len(dead) == 4, dead  # two directories and their locks, files inside
+    assert all(any((base / d).iterdir()) for d in dead if not d.endswith(".lock"))
+    found, resumed = run_ranks(_resume_rank, 2, tmp_path, args=(str(base), str(ckpt), 1, -1))[0]
+    assert not set(found) & set(dead), "the dead run's files are removed at the next start"
+    assert list(base.iterdir()) == []
+    assert resumed.keys() == never_stopped.keys()
+    for name, value in never_stopped.items():
+        assert resumed[name] == value, name
+
+
+def _train_in_a_small_tmpfs(tmp_path: Path, size: int) -> str:
+    """The last line ``train_alone`` prints when its offload directory is a tmpfs of ``size``
+    bytes, in a mount namespace of its own (root only; skipped elsewhere)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare to mount a small tmpfs")
     mnt = tmp_path / "small"
@@ -339,7 +408,7 @@ def test_a_real_enospc_names_the_file_and_the_bytes(tmp_path):
         "train_alone(sys.argv[1], sys.argv[2], False)"
     )
     script = (
-        f"mount -t tmpfs -o size={TMPFS_BYTES} tmpfs {mnt} && "
+        f"mount -t tmpfs -o size={size} tmpfs {mnt} && "
         f"exec {sys.executable} -c '{code}' {mnt} {tmp_path / 'rendezvous-enospc'}"
     )
     done = subprocess.run(
@@ -352,10 +421,34 @@ def test_a_real_enospc_names_the_file_and_the_bytes(tmp_path):
     )
     if "mount:" in done.stderr or "unshare:" in done.stderr:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()[-200:]}")
-    last = done.stderr.strip().splitlines()[-1].removeprefix("[rank0]: ")
-    assert last.startswith("OSError: [Errno 28] disk offload could not make "), done.stderr[-2000:]
-    assert f"bytes) in {mnt}/fsdp_lite-" in last and "No space left on device" in last, last
-    assert "bytes are free there" in last, last
+    assert done.returncode != 0, "the run fitted"
+    return done.stderr.strip().splitlines()[-1].removeprefix("[rank0]: ")
+
+
+def _pages(params) -> int:
+    """Bytes that one fp32 file per parameter takes on a tmpfs: whole 4 KiB pages each."""
+    return sum(-(-p.numel() * 4 // 4096) * 4096 for p in params)
+
+
+def test_a_disk_too_small_for_the_shards_is_named_before_the_first_file(tmp_path):
+    """16 KiB: the lm's shards and grads (2 files a parameter, whole pages each) do not fit."""
+    last = _train_in_a_small_tmpfs(tmp_path, 16 * 1024)
+    needed = 2 * _pages(build_model("lm").parameters())  # 253952, as du counts the files
+    assert last == (
+        f"OSError: [Errno 28] disk offload needs {needed} bytes in {tmp_path / 'small'} for this "
+        f"rank's shards and their gradients; {16 * 1024} bytes are free there"
+    ), last
+
+
+def test_a_disk_too_small_for_the_optimizer_state_is_named_before_the_first_state_file(tmp_path):
+    """256 KiB: the shards and grads fit, AdamW's two states (as many pages again) do not; the
+    check at the first step names the directory and the bytes."""
+    last = _train_in_a_small_tmpfs(tmp_path, 256 * 1024)
+    needed = 2 * _pages(build_model("lm").parameters())
+    prefix = f"OSError: [Errno 28] disk offload needs {needed} bytes in {tmp_path / 'small'}/"
+    assert last.startswith(prefix), last
+    free = 256 * 1024 - needed
+    assert last.endswith(f" for the optimizer's state; {free} bytes are free there"), last
 
 
 def _dropped_store_rank(rank: int, world_size: int, base: str) -> list[str]:

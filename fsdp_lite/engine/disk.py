@@ -5,7 +5,7 @@ the optimizer's per-parameter state live in memory-mapped files in a directory o
 under ``PATH``. The engine reads a shard only to copy it into ``all_gather_input`` and the
 optimizer step reads and writes all three; after each use the pages are handed back to the kernel
 (see Note [Residency, not copies]). This file owns the files, the directory and the optimizer
-hooks; unit.py and param.py call it at three points (see offload.py).
+hooks; unit.py and param.py call it at four points (see offload.py).
 
 Note [Residency, not copies]: each tensor is a ``MAP_SHARED`` mapping of its own file, so it keeps
 one address for its whole life and every reader (state dicts, summon_full_params, clip_grad_norm_,
@@ -30,6 +30,23 @@ kernel drops that lock when the process ends, however it ends. The directory is 
 this host name whose lock it can take at once, so their owner is gone. PID liveness is not used:
 ``os.kill(pid, 0)`` cannot see a process in another PID namespace (a container sharing the disk
 and the host name), whose live files it would have deleted.
+
+Note [One run per directory]: a second run pointed at a directory a live run of this host name
+uses is refused (ValueError naming both): two runs there would share its free space, which
+each checked alone, and one's clean-up would race the other's start. The ranks of one run are
+told apart from another run's by a job token in the directory's name, the same on every rank:
+the first rank to ask sets it in the default process group's store (``construct.job_token``).
+Stores of this process are never "another run" (a process may make a new process group).
+Clean-up, the new directory and the check run with ``base`` itself locked, one store at a time,
+so that of two runs starting together the later sees the earlier, and a rank removing a dead
+run's directory (holding its lock) is never taken for a live run. Runs sharing a disk give each
+its own directory.
+
+Note [Space first]: every file is reserved with ``posix_fallocate`` when it is made, so a disk
+that fills later never fails a write. Two moments make many files: wrapping (the shards, and
+their grads, reserved with them) and the first optimizer step (its state). Before each, the
+bytes all of them need are compared with the free space, and a shortfall raises ENOSPC naming the
+directory, the bytes needed and the bytes free, before the first of them is written.
 """
 
 from __future__ import annotations
@@ -45,7 +62,7 @@ import shutil
 import socket
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -58,7 +75,11 @@ from fsdp_lite.engine.offload import with_local
 
 __all__ = ["DiskStore", "ParamFiles", "check_offload_dir", "close", "step"]
 
-_DIR_RE = re.compile(r"^fsdp_lite-(?P<host>.+)-pid(?P<pid>\d+)-rank\d+-[0-9a-f]{8}$")
+# Host names have "-" replaced by "_". Directories made before runs carried a job token lack it.
+_DIR_RE = re.compile(
+    r"^fsdp_lite-(?P<host>[^-]+)-(?:job(?P<job>[0-9a-f]{8})-)?pid(?P<pid>\d+)-rank\d+-[0-9a-f]{8}$"
+)
+_LIVE: weakref.WeakSet[DiskStore] = weakref.WeakSet()  # this process's stores
 
 
 def check_offload_dir(path: str | os.PathLike) -> str:
@@ -128,8 +149,9 @@ def _why(e: OSError, directory: str) -> str:
 class ParamFiles:
     """The files of one sharded parameter: its shard, its grad and each optimizer state tensor."""
 
-    def __init__(self, store: DiskStore, fqn: str) -> None:
+    def __init__(self, store: DiskStore, fqn: str, grads: bool) -> None:
         self.store = store
+        self.grads = grads  # its grad file is reserved with its shard (Note [Space first])
         self.stem = f"{len(store.params):05d}-{re.sub(r'[^A-Za-z0-9_.]', '_', fqn) or 'param'}"
         self.files: dict[str, _MappedFile] = {}  # "param", "grad", "state.<key>" -> file
         self.unit_key: int | None = None  # which unit copies it in; set when the unit is built
@@ -153,10 +175,10 @@ class ParamFiles:
         """``value`` (a tensor or DTensor) copied into ``kind``'s file, same type and layout."""
         local = value.to_local() if isinstance(value, DTensor) else value
         f = self.files.get(kind)
-        if f is None or f.tensor.numel() != local.numel() or f.tensor.dtype != local.dtype:
+        if f is None or f.tensor.numel() < local.numel() or f.tensor.dtype != local.dtype:
             flat = self.new(kind, local.numel(), local.dtype)
-        else:
-            flat = f.tensor
+        else:  # e.g. the grad file reserved at the padded shard's size
+            flat = f.tensor[: local.numel()]
         flat.copy_(local.reshape(-1))
         moved = flat.view(local.shape)
         return with_local(value, moved) if isinstance(value, DTensor) else moved
@@ -178,23 +200,15 @@ class DiskStore:
 
     directory: str
 
-    def __init__(self, base: str, rank: int) -> None:
-        host = socket.gethostname().replace("-", "_")
-        _remove_stale_dirs(base, host)
-        name = f"fsdp_lite-{host}-pid{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
-        self.directory = os.path.join(base, name)
-        try:
-            # The lock first: a directory is never seen without a held lock beside it.
-            self._lock = _take_lock(f"{self.directory}.lock", create=True)
-            os.mkdir(self.directory, 0o700)
-        except OSError as e:
-            if getattr(self, "_lock", None) is not None:
-                _remove(self.directory, self._lock)
-            raise ValueError(f"CPUOffload.offload_dir {base!r}: cannot create {name}: {e}") from e
+    def __init__(self, base: str, rank: int, job: str, needs: Iterable[int] = ()) -> None:
+        with _one_at_a_time(base):
+            self.directory, self._lock = _make_directory(base, rank, job, needs)
+        _LIVE.add(self)
         self.params: list[ParamFiles] = []
         self.by_ptr: dict[int, ParamFiles] = {}  # data_ptr of a shard -> its files
         self._next: dict[tuple[int, str], list[ParamFiles]] = {}  # see after_copy_in
         self._last: tuple[int, str] | None = None
+        self._state_space_checked = False
         me = weakref.ref(self)
         # The hooks hold the store weakly and do nothing once it is gone. Only close() removes
         # them: the finalizer may run in a collection inside optimizer.step(), while torch
@@ -210,13 +224,15 @@ class DiskStore:
         ]
         self._finalizer = weakref.finalize(self, _remove, self.directory, self._lock)
 
-    def new_param(self, fqn: str) -> ParamFiles:
-        files = ParamFiles(self, fqn)
+    def new_param(self, fqn: str, grads: bool) -> ParamFiles:
+        files = ParamFiles(self, fqn, grads)
         self.params.append(files)
         return files
 
     def new_shard(self, files: ParamFiles, numel: int, dtype: torch.dtype) -> torch.Tensor:
         shard = files.new("param", numel, dtype)
+        if files.grads:
+            files.new("grad", numel, dtype)
         if numel > 0:  # empty tensors share no address worth keying on
             self.by_ptr[shard.data_ptr()] = files
         return shard
@@ -282,7 +298,9 @@ class DiskStore:
 
     def after_step(self, optim: torch.optim.Optimizer) -> None:
         """Move new optimizer state into files, then drop every page the step touched."""
-        for p, files in self._managed(optim):
+        managed = self._managed(optim)
+        moves = []
+        for p, files in managed:
             state = optim.state.get(p, {})
             for key, value in list(state.items()):
                 # Per-element state (exp_avg, momentum_buffer ...) goes to disk; scalars such as
@@ -292,8 +310,29 @@ class DiskStore:
                 local = value.to_local() if isinstance(value, DTensor) else value
                 kind = f"state.{re.sub(r'[^A-Za-z0-9_]', '_', str(key))}"
                 if local.numel() > 0 and not files.holds(kind, local):
-                    state[key] = files.move(kind, value)
+                    moves.append((state, key, value, files, kind, local))
+        if moves and not self._state_space_checked:
+            self._check_state_space(moves)
+        for state, key, value, files, kind, _ in moves:
+            state[key] = files.move(kind, value)
+        for _, files in managed:
             files.release()
+
+    def _check_state_space(self, moves: list) -> None:
+        """Before the first state file: room for every parameter's state, at the bytes per
+        parameter element this step's new state takes (Note [Space first])."""
+        kinds = {kind: local.element_size() for *_, kind, local in moves}  # e.g. exp_avg: 4
+        stateless = [f for f in self.params if not any(k.startswith("state.") for k in f.files)]
+        sizes = [f.files["param"].tensor.numel() for f in stateless if "param" in f.files]
+        needed = _on_disk(self.directory, [n * b for n in sizes for b in kinds.values()])
+        free = shutil.disk_usage(self.directory).free
+        if needed > free:
+            raise OSError(
+                errno.ENOSPC,
+                f"disk offload needs {needed} bytes in {self.directory} for the optimizer's "
+                f"state; {free} bytes are free there",
+            )
+        self._state_space_checked = True
 
 
 def close(model: torch.nn.Module) -> None:
@@ -381,6 +420,78 @@ def _take_lock(path: str, create: bool) -> int | None:
             return None
         raise
     return fd
+
+
+@contextlib.contextmanager
+def _one_at_a_time(base: str) -> Iterator[None]:
+    """``base`` locked (``flock`` on the directory itself) while a store cleans up, makes its
+    directory and looks for another run: otherwise a rank that holds a dead run's lock to remove
+    it looks live to a rank of its own job looking at the same moment."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def _make_directory(base: str, rank: int, job: str, needs: Iterable[int]) -> tuple[str, int]:
+    """This store's directory in ``base`` and the descriptor holding its lock, after removing
+    dead runs' directories and checking the space and that no other run uses ``base``."""
+    host = socket.gethostname().replace("-", "_")
+    _remove_stale_dirs(base, host)
+    name = f"fsdp_lite-{host}-job{job}-pid{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
+    directory = os.path.join(base, name)
+    lock = None
+    try:
+        # The lock first: a directory is never seen without a held lock beside it.
+        lock = _take_lock(f"{directory}.lock", create=True)
+        os.mkdir(directory, 0o700)
+    except OSError as e:
+        if lock is not None:
+            _remove(directory, lock)
+        raise ValueError(f"CPUOffload.offload_dir {base!r}: cannot create {name}: {e}") from e
+    needed, free = _on_disk(base, needs), shutil.disk_usage(base).free
+    if needed > free:  # Note [Space first]
+        _remove(directory, lock)
+        raise OSError(
+            errno.ENOSPC,
+            f"disk offload needs {needed} bytes in {base} for this rank's shards and their "
+            f"gradients; {free} bytes are free there",
+        )
+    other = _another_run(base, host, job, {store.directory for store in _LIVE} | {directory})
+    if other is not None:
+        _remove(directory, lock)
+        raise ValueError(
+            f"CPUOffload.offload_dir {base!r} is in use by another run on this host "
+            f"({other} is live): give each run a directory of its own"
+        )
+    return directory, lock
+
+
+def _on_disk(directory: str, sizes: Iterable[int]) -> int:
+    """Bytes that files of ``sizes`` take in ``directory``: whole blocks each."""
+    block = os.statvfs(directory).f_frsize
+    return sum(-(-size // block) * block for size in sizes)
+
+
+def _another_run(base: str, host: str, job: str, mine: set[str]) -> str | None:
+    """The name of a live directory of this host name in ``base`` that another job made (its
+    lock is held, its job token differs), or None. See Note [One run per directory]."""
+    for name in sorted(os.listdir(base)):
+        directory = name.removesuffix(".lock")
+        match = _DIR_RE.match(directory)
+        if directory == name or match is None or match["host"] != host or match["job"] == job:
+            continue
+        if os.path.join(base, directory) in mine:
+            continue
+        lock = _take_lock(os.path.join(base, name), create=False)
+        if lock is None:
+            if os.path.exists(os.path.join(base, name)):
+                return directory  # held: its process lives
+            continue
+        os.close(lock)  # free: a crashed run's, which the next start removes
+    return None
 
 
 def _remove_stale_dirs(base: str, host: str) -> None:

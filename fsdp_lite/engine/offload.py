@@ -3,7 +3,7 @@ files on local disk (ZeRO-Infinity, arXiv 2104.07857).
 
 With ``CPUOffload(offload_params=True)`` each sharded param, its gradient and so the optimizer
 state and step stay in CPU memory; only the all-gather input and the unsharded params are on the
-compute device. With ``offload_dir`` set too they live in memory-mapped files that disk.py owns, and the three functions at the bottom are where the engine tells it a shard was used. This
+compute device. With ``offload_dir`` set too they live in memory-mapped files that disk.py owns, and the four functions at the bottom are where the engine tells it a shard was used. This
 file is the one place that decides devices and copies between them; on a CPU-only machine both
 devices are the CPU and every copy below is skipped.
 """
@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "after_copy_in",
+    "after_shard_written",
     "after_grads",
     "DiskFiles",
     "DiskStoreCalls",
@@ -36,6 +37,8 @@ class DiskFiles(Protocol):
 
     store: DiskStoreCalls
     unit_key: int
+
+    def release(self) -> None: ...
 
 
 class DiskStoreCalls(Protocol):
@@ -103,6 +106,13 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # The functions below take a unit's parameters (param.py imports this file, not the reverse).
+
+
+def after_shard_written(files: DiskFiles | None) -> None:
+    """A shard was filled (at build, or from a state dict); on disk, drop its pages until used, so
+    that building a model larger than memory never holds more than a unit of it."""
+    if files is not None:
+        files.release()
 
 
 def after_copy_in(params: Sequence[OffloadedParam], phase: str) -> None:

@@ -463,7 +463,7 @@ class ShardedParam(Param):
         local = orig_param._local_tensor if self.tp is not None else orig_param
         self.orig_size = local.size()  # the TP-local shape for a DTensor
         self.numel = local.numel()
-        self.disk_files = disk.new_param(fqn) if disk is not None else None
+        self.disk_files = None if disk is None else disk.new_param(fqn, grads=self.requires_grad)
 
         rows = self.orig_size[shard_dim]
         row_numel = self.numel // rows if rows else 0
@@ -482,6 +482,7 @@ class ShardedParam(Param):
             self.shard_numel, data.dtype, storage, compute, self.disk_files
         )
         self.sharded_flat[: self.local_numel].copy_(self._block(data).reshape(-1))
+        offload.after_shard_written(self.disk_files)
         self.sharded_param = nn.Parameter(
             self._to_dtensor(self.sharded_flat[: self.local_numel]),
             requires_grad=self.requires_grad,

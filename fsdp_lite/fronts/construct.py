@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -208,14 +209,37 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
     )
 
 
-def open_disk_store(config: UnitConfig) -> UnitConfig:
+def open_disk_store(config: UnitConfig, module: nn.Module) -> UnitConfig:
     """``config`` with this rank's files for ``CPUOffload(offload_dir=...)``: checked and made on
-    every rank, then one all-gather, so a rank whose directory is missing or whose disk refused
-    fails every rank before any other collective (see ``on_every_rank``)."""
+    every rank, then one all-gather, so a rank whose directory is missing, whose disk lacks the
+    room for ``module``'s shards or that another run uses fails every rank before any other
+    collective (see ``on_every_rank``)."""
     if config.cpu_offload is None or config.cpu_offload.offload_dir is None:
         return config
-    disk = _agreed(config, lambda: _disk_store(config.cpu_offload, dist.get_rank()))
+    needs = _shard_bytes(module, config)
+    disk = _agreed(config, lambda: _disk_store(config.cpu_offload, dist.get_rank(), needs))
     return dataclasses.replace(config, disk=disk)
+
+
+def job_token() -> str:
+    """A random token, the same on every rank of this job: the first rank to ask sets it in the
+    default process group's store (disk.py Note [One run per directory])."""
+    store = dist.distributed_c10d._get_default_store()
+    return store.compare_set("fsdp_lite/job", "", uuid.uuid4().hex[:8]).decode()
+
+
+def _shard_bytes(module: nn.Module, config: UnitConfig) -> list[int]:
+    """The sizes of this rank's files for ``module``'s parameter shards and their grads (disk.py
+    Note [Space first]): dim 0 cut into equal blocks, as param.py pads it."""
+    ranks = dist.get_world_size(config.group)
+    sizes = []
+    for p in dict.fromkeys(module.parameters()):  # a tied parameter once
+        if p in config.ignored_params:
+            continue
+        rows = p.shape[0] if p.dim() > 0 else 1
+        shard = -(-rows // ranks) * (p.numel() // max(rows, 1)) * p.element_size()
+        sizes += [shard] * (2 if p.requires_grad else 1)
+    return sizes
 
 
 def on_every_rank(config: UnitConfig, step: Callable[[], Any]) -> Any:
@@ -244,13 +268,13 @@ def _agreed(config: UnitConfig, step: Callable[[], Any]) -> Any:
     return result
 
 
-def _disk_store(cpu_offload: CPUOffload | None, rank: int) -> DiskStore | None:
+def _disk_store(cpu_offload: CPUOffload | None, rank: int, needs: list[int]) -> DiskStore | None:
     """This rank's files for ``CPUOffload(offload_dir=...)``, or None; checks the directory first."""
     if cpu_offload is None or cpu_offload.offload_dir is None:
         return None
     if not cpu_offload.offload_params:
         raise ValueError("CPUOffload.offload_dir needs offload_params=True")
-    return DiskStore(check_offload_dir(cpu_offload.offload_dir), rank)
+    return DiskStore(check_offload_dir(cpu_offload.offload_dir), rank, job_token(), needs)
 
 
 def _check_init_fn(param_init_fn: Any) -> None:

@@ -159,7 +159,7 @@ class FullyShardedModule(nn.Module):
             check_unit_params(module, config, "FullyShardedDataParallel")
         # Collectives start here; everything above fails locally, before any rank can hang.
         # The first, with disk offload: whether every rank could make its directory.
-        config = open_disk_store(config)
+        config = open_disk_store(config, module)
         _check_same_model_across_ranks(module, config)
         if config.sync_module_states and not _has_meta(list(module.modules())):
             _broadcast_module_states(module, config)  # meta modules: per unit, see _materialize
