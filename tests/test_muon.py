@@ -8,6 +8,7 @@ measurably off."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -22,6 +23,7 @@ import fsdp_lite
 from fsdp_lite.muon import Muon
 from tests.ranks import run_checks, run_ranks
 
+STEPS = 10
 MUON = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw", "nesterov": True}
 
 
@@ -45,12 +47,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wrap(kind: str, model: nn.Module) -> nn.Module:
+    """``kind``: a front and strategy, then options after "+": ``bf16`` (bf16 params, fp32
+    reduce), ``offload`` (params on CPU), ``accum`` (read by the training loops)."""
+    kind, *opts = kind.split("+")
+    bf16, offload = "bf16" in opts, "offload" in opts
     if kind == "ddp":
         return DistributedDataParallel(model)
     if kind.startswith("fsdp1/"):
         strategy = fsdp_lite.ShardingStrategy[kind.removeprefix("fsdp1/")]
+        mp = fsdp_lite.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
         return fsdp_lite.FullyShardedDataParallel(
-            model, sharding_strategy=strategy, use_orig_params=True
+            model,
+            sharding_strategy=strategy,
+            use_orig_params=True,
+            mixed_precision=mp,
+            cpu_offload=fsdp_lite.CPUOffload(offload_params=offload),
         )
     api = torch_fsdp if kind == "torch_fsdp2" else fsdp_lite
     extra = {}
@@ -58,6 +69,10 @@ def _wrap(kind: str, model: nn.Module) -> nn.Module:
         extra["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     if kind == "fully_shard_dim1":  # every matrix cut on its columns
         extra["shard_placement_fn"] = lambda p: Shard(1)
+    if bf16:
+        extra["mp_policy"] = api.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    if offload:
+        extra["offload_policy"] = api.CPUOffloadPolicy()
     for sub in (model.a, model.b, model.c):
         api.fully_shard(sub, **extra)
     api.fully_shard(model, **extra)
@@ -73,13 +88,30 @@ def _muon(kind: str):
     return functools.partial(Muon, bucket_numel=400) if kind in BUCKETS else Muon
 
 
+def _backward(model: nn.Module, kind: str, step: int, rank: int) -> None:
+    """One step's gradients: one batch, or with ``+accum`` two micro-batches, the first without
+    gradient sync (DDP's and FSDP1's ``no_sync``, fully_shard's
+    ``set_requires_gradient_sync(False)``)."""
+    g = torch.Generator().manual_seed(10 * step + rank)
+    if "+accum" not in kind:
+        model(torch.randn(4, 24, generator=g)).square().mean().backward()
+        return
+    for sync in (False, True):
+        x = torch.randn(4, 24, generator=g)
+        if kind.startswith(("fsdp1/", "ddp")):
+            with contextlib.nullcontext() if sync else model.no_sync():
+                model(x).square().mean().backward()
+        else:
+            model.set_requires_gradient_sync(sync)
+            model(x).square().mean().backward()
+
+
 def _train(kind: str, optim_cls, rank: int):
     torch.manual_seed(0)
     model = _wrap(kind, Matrices())
     optim = optim_cls(model.parameters(), **MUON)
-    for step in range(5):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        model(torch.randn(4, 24, generator=g)).square().mean().backward()
+    for step in range(STEPS):
+        _backward(model, kind, step, rank)
         optim.step()
         optim.zero_grad()
     names = [n.removeprefix("module.") for n, _ in model.named_parameters()]
@@ -102,15 +134,21 @@ def _assert_bitwise(ours, theirs, what: str) -> None:
             )  # fmt: skip
 
 
-_DDP: dict[int, tuple] = {}  # world size -> this rank process's reference, trained once
+_DDP: dict[tuple[int, str], tuple] = {}  # (world size, options) -> this rank's reference
+
+
+def _ddp(world_size: int, rank: int, options: str = "") -> tuple:
+    """DDP + torch.optim.Muon, trained once per rank process (``options``: ``"+accum"``)."""
+    if (world_size, options) not in _DDP:
+        _DDP[world_size, options] = _train("ddp" + options, torch.optim.Muon, rank)
+    return _DDP[world_size, options]
 
 
 def _exact(kind: str):
     def check(rank: int, world_size: int) -> None:
-        if world_size not in _DDP:
-            _DDP[world_size] = _train("ddp", torch.optim.Muon, rank)
+        ref = _ddp(world_size, rank, "+accum" if "+accum" in kind else "")
         ours = _train(kind, _muon(kind), rank)
-        _assert_bitwise(ours, _DDP[world_size], f"{kind} at {world_size} ranks")
+        _assert_bitwise(ours, ref, f"{kind} at {world_size} ranks")
 
     return check
 
@@ -129,9 +167,7 @@ CHECKS = {kind: _exact(kind) for kind in KINDS}
 
 def _torch_muon_on_shards_is_off(rank: int, world_size: int) -> None:
     """The reason for fsdp_lite.muon: torch's Muon on torch FSDP2's shards is not Muon."""
-    if world_size not in _DDP:
-        _DDP[world_size] = _train("ddp", torch.optim.Muon, rank)
-    ref = _DDP[world_size][0]
+    ref = _ddp(world_size, rank)[0]
     got, _ = _train("torch_fsdp2", torch.optim.Muon, rank)
     worst = max((got[n] - ref[n]).abs().max().item() for n in ref)
     assert worst > 1e-3, worst  # measured 8.0e-3 after 5 steps
@@ -251,9 +287,8 @@ def _same_gradients(kind: str):
         shadow = {n: nn.Parameter(_full(p)) for n, p in model.named_parameters()}
         optim = _muon(kind)(model.parameters(), **MUON)
         reference = torch.optim.Muon(shadow.values(), **MUON)
-        for step in range(5):
-            g = torch.Generator().manual_seed(10 * step + rank)
-            model(torch.randn(4, 24, generator=g)).square().mean().backward()
+        for step in range(STEPS):
+            _backward(model, kind, step, rank)
             for name, p in model.named_parameters():
                 shadow[name].grad = _full(p.grad)
             optim.step()
@@ -271,10 +306,26 @@ def _same_gradients(kind: str):
     return check
 
 
-CHECKS.update({f"same_grads/{kind}": _same_gradients(kind) for kind in (*KINDS, "hsdp")})
-# 2 ranks: bitwise DDP; 4 ranks: bitwise torch's Muon on the same averaged gradients (HSDP: 2 x 2)
-CHECKS_2 = [*KINDS, "torch_muon_on_torch_fsdp2_is_off", "collectives_per_step", "whole_matrix_hook"]
-CHECKS_4 = [f"same_grads/{kind}" for kind in (*KINDS, "hsdp")]
+# CPU offload and 2 micro-batches per step (the first without gradient sync): at 2 ranks bitwise
+# DDP + torch.optim.Muon (DDP with no_sync for the latter).
+FSDP1 = ("fsdp1/FULL_SHARD", "fsdp1/SHARD_GRAD_OP", "fsdp1/NO_SHARD", "fsdp1/SHARD_OPTIM")
+VARIANTS = [
+    f"{kind}+{opt}"
+    for opt in ("offload", "accum")
+    for kind in (*FSDP1, "fully_shard", "fully_shard_dim1")
+]
+CHECKS.update({kind: _exact(kind) for kind in VARIANTS})
+# Mixed precision (bf16 params, fp32 reduce), at 2 and 4 ranks: DDP with a bf16 forward is not the
+# same math, so the reference is torch's Muon on whole fp32 copies fed the model's own averaged
+# fp32 gradients (as every check at 4 ranks).
+BF16 = [f"{kind}+bf16" for kind in (*FSDP1, "fully_shard", "fully_shard_dim1")]
+SAME_GRADS_4 = [*KINDS, *VARIANTS, *BF16, "hsdp", "hsdp+bf16", "hsdp+offload", "hsdp+accum"]
+CHECKS.update({f"same_grads/{kind}": _same_gradients(kind) for kind in SAME_GRADS_4})
+# 2 ranks: bitwise DDP (bf16: torch's Muon on the same gradients); 4 ranks: bitwise torch's Muon
+# on the same averaged gradients (HSDP: 2 x 2)
+CHECKS_2 = [*KINDS, *VARIANTS, *(f"same_grads/{kind}" for kind in BF16)]
+CHECKS_2 += ["torch_muon_on_torch_fsdp2_is_off", "collectives_per_step", "whole_matrix_hook"]
+CHECKS_4 = [f"same_grads/{kind}" for kind in SAME_GRADS_4]
 CHECKS_4 += ["collectives_per_step", "whole_matrix_hook"]
 
 
