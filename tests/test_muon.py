@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
+import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -272,8 +275,52 @@ CHECKS["collectives_per_step"] = _collectives_per_step
 CHECKS["whole_matrix_hook"] = _whole_matrix_hook
 
 
-def _rank(rank: int, world_size: int, names: list[str]) -> dict[str, str]:
-    return run_checks(CHECKS, names, rank, world_size)
+# Canonical mode (fsdp_lite.Canonical): the gradients have the same bits at any world size, so
+# fsdp_lite.Muon's parameters and momentum after 10 steps must too: at 2 and 4 ranks, every
+# strategy, against a plain module in the test's own process (no process group).
+V = 4  # virtual micro-batches per global batch of 8 rows
+CANONICAL = {2: [*KINDS[:-1]], 4: [*KINDS[:-1], "hsdp"]}  # buckets change no math
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
+
+
+def _canonical_train(kind: str) -> dict[str, torch.Tensor]:
+    """10 steps of fsdp_lite.Muon under Canonical on the same global batches; params and
+    momentum by name."""
+    torch.set_num_threads(1)  # Canonical's contract: one thread count in every run
+    torch.manual_seed(0)
+    model = Matrices() if kind == "plain" else _wrap(kind, Matrices())
+    canon = fsdp_lite.Canonical(model, virtual_batches=V)
+    optim = Muon(model.parameters(), **MUON)
+    canon.check_optimizer(optim)
+    for step in range(STEPS):
+        batch = torch.randn(2 * V, 24, generator=torch.Generator().manual_seed(step))
+        for micro in canon.micro_batches(batch):
+            model(micro).square().mean().backward()  # each micro-batch's own mean
+        optim.step()
+        optim.zero_grad()
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"param/{_clean(name)}"] = _full(p)
+        out[f"momentum/{_clean(name)}"] = _full(optim.state[p]["momentum_buffer"])
+    return out
+
+
+def _rank(rank: int, world_size: int, names: list[str]) -> tuple[dict[str, str], bytes]:
+    """The checks' failures, and rank 0's canonical runs (tensors as bytes, not shared memory)."""
+    failures = run_checks(CHECKS, names, rank, world_size)
+    canonical = {}
+    for kind in CANONICAL[world_size]:
+        try:
+            canonical[kind] = _canonical_train(kind)
+        except Exception:  # noqa: BLE001 - reported by its test
+            failures[f"canonical/{kind}"] = traceback.format_exc()
+        dist.barrier()
+    buffer = io.BytesIO()
+    torch.save(canonical if rank == 0 else {}, buffer)
+    return failures, buffer.getvalue()
 
 
 def _same_gradients(kind: str):
@@ -331,21 +378,43 @@ CHECKS_4 += ["collectives_per_step", "whole_matrix_hook"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_ranks(_rank, 2, tmp_path_factory.mktemp("muon"), timeout=240, args=(CHECKS_2,))
+    return run_ranks(_rank, 2, tmp_path_factory.mktemp("muon"), timeout=400, args=(CHECKS_2,))
 
 
 @pytest.mark.parametrize("check", CHECKS_2)
 def test_muon_on_shards(results, check):
-    for rank, failures in enumerate(results):
+    for rank, (failures, _) in enumerate(results):
         assert check not in failures, f"rank {rank}:\n{failures[check]}"
 
 
 @pytest.fixture(scope="module")
 def results_4(tmp_path_factory):
-    return run_ranks(_rank, 4, tmp_path_factory.mktemp("muon4"), timeout=240, args=(CHECKS_4,))
+    return run_ranks(_rank, 4, tmp_path_factory.mktemp("muon4"), timeout=400, args=(CHECKS_4,))
 
 
 @pytest.mark.parametrize("check", CHECKS_4)
 def test_muon_on_shards_at_4_ranks(results_4, check):
-    for rank, failures in enumerate(results_4):
+    for rank, (failures, _) in enumerate(results_4):
         assert check not in failures, f"rank {rank}:\n{failures[check]}"
+
+
+@pytest.fixture(scope="module")
+def plain_canonical() -> dict[str, torch.Tensor]:
+    return _canonical_train("plain")
+
+
+@pytest.mark.parametrize("kind", CANONICAL[4])
+def test_canonical_same_bits_at_1_2_4_ranks(results, results_4, plain_canonical, kind):
+    """fsdp_lite.Muon + Canonical: parameters and momentum after 10 steps bitwise those of a
+    plain module in one process without a process group, at 2 and 4 ranks."""
+    for n, launch in ((2, results), (4, results_4)):
+        if kind not in CANONICAL[n]:
+            continue
+        for rank, (failures, _) in enumerate(launch):
+            assert f"canonical/{kind}" not in failures, f"rank {rank}:\n{failures}"
+        got = torch.load(io.BytesIO(launch[0][1]))[kind]
+        assert got.keys() == plain_canonical.keys()
+        for key, want in plain_canonical.items():
+            torch.testing.assert_close(
+                got[key], want, rtol=0, atol=0, msg=lambda m, k=key, n=n: f"{kind} at {n}: {k}: {m}"
+            )
