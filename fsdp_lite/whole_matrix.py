@@ -114,13 +114,16 @@ class Layout:
         return whole[tuple(slice(start, stop) for start, stop in self.boxes[rank])]
 
     def cut(self) -> str:
-        """The pieces' shapes, for ``explain``: ``dim 0 cut 4/3`` where one dim is cut, else
-        every piece's shape (``cut 4x12/4x12/...``)."""
+        """The pieces, for ``explain``: ``dim 0 cut 4/3`` where one dim is cut in rank order,
+        else each rank's block (``blocks 0:4,0:12 8:12,0:12 ...``)."""
         shapes = [self.piece_shape(r) for r in range(len(self.boxes))]
         dims = [d for d in range(len(self.shape)) if any(s[d] != self.shape[d] for s in shapes)]
-        if len(dims) == 1:
+        starts = [box[dims[0]][0] for box in self.boxes] if len(dims) == 1 else []
+        if starts and starts == sorted(starts):
             return f"dim {dims[0]} cut " + "/".join(str(s[dims[0]]) for s in shapes)
-        return "cut " + "/".join("x".join(map(str, s)) for s in shapes)
+        return "blocks " + " ".join(
+            ",".join(f"{start}:{stop}" for start, stop in box) for box in self.boxes
+        )
 
 
 class WholeMatrix:
@@ -184,7 +187,7 @@ class WholeMatrix:
             loads.setdefault(tuple(ranks), [0] * len(ranks))[lay.owner] += cost
             shape = "x".join(map(str, lay.shape))
             lines.append(
-                f"  {names.get(param, f'#{i}'):<28} {shape:>10}  {lay.cut():<18} "
+                f"  {names.get(param, f'#{i}'):<28} {shape:>10}  {lay.cut():<22} "
                 f"owner {lay.owner}  cost {cost}"
             )
         for ranks, load in loads.items():

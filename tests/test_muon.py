@@ -108,6 +108,26 @@ TP_PLACEMENTS = {  # a, b, c, d's (dp, tp) placements
 }
 
 
+# Each group rank's block (rank = 2 dp + tp): with rows cut, dp's rows inside tp's (d: 7 rows,
+# 4/3 by tp, then 2/2 and 2/1 by dp).
+TP_EXPLAIN = {
+    "tp": """\
+fsdp_lite.Muon: 4 sharded matrices
+  a.weight                          16x24  blocks 0:4,0:24 8:12,0:24 4:8,0:24 12:16,0:24 owner 0  cost 6144
+  b.weight                          24x16  blocks 0:12,0:8 0:12,8:16 12:24,0:8 12:24,8:16 owner 1  cost 6144
+  c.weight                           8x24  blocks 0:2,0:24 4:6,0:24 2:4,0:24 6:8,0:24 owner 2  cost 1536
+  d.weight                            7x8  blocks 0:2,0:8 4:6,0:8 2:4,0:8 6:7,0:8 owner 3  cost 392
+  load of group [0, 1, 2, 3]: [6144, 6144, 1536, 392]""",
+    "tp_dim1": """\
+fsdp_lite.Muon: 4 sharded matrices
+  a.weight                          16x24  blocks 0:8,0:12 8:16,0:12 0:8,12:24 8:16,12:24 owner 0  cost 6144
+  b.weight                          24x16  blocks 0:24,0:4 0:24,8:12 0:24,4:8 0:24,12:16 owner 1  cost 6144
+  c.weight                           8x24  blocks 0:4,0:12 4:8,0:12 0:4,12:24 4:8,12:24 owner 2  cost 1536
+  d.weight                            7x8  blocks 0:4,0:4 4:7,0:4 0:4,4:8 4:7,4:8 owner 3  cost 392
+  load of group [0, 1, 2, 3]: [6144, 6144, 1536, 392]""",
+}
+
+
 @functools.cache
 def _dp_tp_mesh():
     # One object: DTensor hands back the first equal mesh it saw, and fully_shard wants the very
@@ -419,9 +439,8 @@ def _same_gradients(kind: str):
         tp = kind.startswith("tp")
         if tp:  # every matrix cut by both dims, and gathered across both: a group of 4 ranks
             assert [str(p.placements) for p in model.parameters()] == TP_PLACEMENTS[kind]
-            assert [dist.get_world_size(lay.group) for lay in optim.whole.layouts.values()] == [
-                4
-            ] * 4
+            names = {p: n for n, p in model.named_parameters()}
+            assert optim.whole.explain(names) == TP_EXPLAIN[kind], optim.whole.explain(names)
         for step in range(STEPS):
             # Under tensor parallelism a tp group's ranks take the same batch: seeded by dp rank.
             _backward(model, kind, step, rank // 2 if tp else rank)
