@@ -81,7 +81,8 @@ class _Bucket:
     me: int = field(init=False)
     owned: list[int] = field(init=False)  # positions in members this rank owns
     by_owner: list[list[int]] = field(init=False)  # positions in members, per owner
-    device: torch.device | None = None
+    home: torch.device | None = None  # where the inputs are and the results go
+    device: torch.device | None = None  # where the exchange runs (and the owners compute)
     gather: _InFlight | None = None
     scatter: _InFlight | None = None
 
@@ -296,10 +297,10 @@ class WholeMatrix:
             sum(lays[k].piece_numel(me) for k in bucket.by_owner[o]) for o in range(size)
         ]
         recv_splits = [sum(lays[k].piece_numel(s) for k in bucket.owned) for s in range(size)]
-        bucket.device = locals_[bucket.members[0]].device
-        bucket.gather = self._all_to_all(
-            "gather", bucket, _cat(send, bucket.dtype, bucket.device), send_splits, recv_splits
-        )
+        bucket.home = locals_[bucket.members[0]].device
+        bucket.device = _exchange_device(bucket.group, bucket.home)
+        buffer = _cat(send, bucket.dtype, bucket.home).to(bucket.device)
+        bucket.gather = self._all_to_all("gather", bucket, buffer, send_splits, recv_splits)
 
     def _compute_and_scatter(self, bucket: _Bucket, fn: WholeFn, params: list) -> None:
         """Wait for the bucket's gather, run fn on each owned matrix, issue the scatter: each
@@ -331,7 +332,7 @@ class WholeMatrix:
         mine = _unpack(
             received, splits, bucket.by_owner, bucket.layouts, transposed=False, me=bucket.me
         )
-        return [mine[k] for k in range(len(bucket.layouts))]
+        return [mine[k].to(bucket.home) for k in range(len(bucket.layouts))]
 
     def _all_to_all(self, phase, bucket, send, send_splits, recv_splits) -> _InFlight:
         received = send.new_empty(sum(recv_splits))
@@ -424,6 +425,14 @@ def _flatten(mesh: DeviceMesh, dims: list[int], name: str, placements) -> Device
         )
     sub = mesh if len(dims) == mesh.ndim else mesh[tuple(names[d] for d in dims)]
     return sub._flatten()
+
+
+def _exchange_device(group: dist.ProcessGroup, home: torch.device) -> torch.device:
+    """The device of the exchange's buffers: the inputs' own, but the current GPU where they
+    are in CPU memory (CPU offload) and the group is NCCL's, which moves CUDA tensors only."""
+    if home.type == "cpu" and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return home
 
 
 def _balance(costs: list[int], ranks: int) -> list[int]:
