@@ -381,7 +381,16 @@ CHECKS["whole_matrix_hook"] = _whole_matrix_hook
 # fsdp_lite.Muon's parameters and momentum after 10 steps must too: at 2 and 4 ranks, every
 # strategy, against a plain module in the test's own process (no process group).
 V = 4  # virtual micro-batches per global batch of 8 rows
-CANONICAL = {2: [*KINDS[:-1]], 4: [*KINDS[:-1], "hsdp"]}  # buckets change no math
+# bf16 params with fp32 reduce: against the same kind at world size 1 (HSDP: fully_shard's).
+CANONICAL_BF16 = [
+    f"{kind}+bf16"
+    for kind in ("fsdp1/FULL_SHARD", "fsdp1/SHARD_OPTIM", "fully_shard", "fully_shard_dim1")
+]
+CANONICAL = {
+    1: CANONICAL_BF16,
+    2: [*KINDS[:-1], *CANONICAL_BF16],  # buckets change no math
+    4: [*KINDS[:-1], "hsdp", *CANONICAL_BF16, "hsdp+bf16"],
+}
 
 
 def _clean(name: str) -> str:
@@ -516,18 +525,33 @@ def plain_canonical() -> dict[str, torch.Tensor]:
     return _canonical_train("plain")
 
 
+@pytest.fixture(scope="module")
+def results_1(tmp_path_factory):
+    return run_ranks(_rank, 1, tmp_path_factory.mktemp("muon1"), timeout=200, args=([],))
+
+
+def _canonical_run(launch: list, kind: str) -> dict[str, torch.Tensor]:
+    for rank, (failures, _) in enumerate(launch):
+        assert f"canonical/{kind}" not in failures, f"rank {rank}:\n{failures}"
+    return torch.load(io.BytesIO(launch[0][1]))[kind]
+
+
 @pytest.mark.parametrize("kind", CANONICAL[4])
-def test_canonical_same_bits_at_1_2_4_ranks(results, results_4, plain_canonical, kind):
-    """fsdp_lite.Muon + Canonical: parameters and momentum after 10 steps bitwise those of a
-    plain module in one process without a process group, at 2 and 4 ranks."""
+def test_canonical_same_bits_at_1_2_4_ranks(results, results_4, results_1, plain_canonical, kind):
+    """fsdp_lite.Muon + Canonical: parameters and momentum after 10 steps bitwise, at 2 and 4
+    ranks, those of a plain module in one process without a process group (fp32), or of the
+    same wrapping at world size 1 (bf16 params, fp32 reduce)."""
+    if "+bf16" in kind:
+        want = _canonical_run(results_1, kind.replace("hsdp", "fully_shard"))
+    else:
+        want = plain_canonical
     for n, launch in ((2, results), (4, results_4)):
         if kind not in CANONICAL[n]:
             continue
-        for rank, (failures, _) in enumerate(launch):
-            assert f"canonical/{kind}" not in failures, f"rank {rank}:\n{failures}"
-        got = torch.load(io.BytesIO(launch[0][1]))[kind]
-        assert got.keys() == plain_canonical.keys()
-        for key, want in plain_canonical.items():
+        got = _canonical_run(launch, kind)
+        assert got.keys() == want.keys()
+        for key in want:
             torch.testing.assert_close(
-                got[key], want, rtol=0, atol=0, msg=lambda m, k=key, n=n: f"{kind} at {n}: {k}: {m}"
-            )
+                got[key], want[key], rtol=0, atol=0,
+                msg=lambda m, k=key, n=n: f"{kind} at {n}: {k}: {m}",
+            )  # fmt: skip
