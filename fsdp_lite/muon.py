@@ -19,7 +19,7 @@ two collectives per step for all the matrices of one process group (per bucket, 
 parameter and
 momentum buffer is bitwise what DDP + ``torch.optim.Muon`` gives (the same averaged gradient, the
 same single-device math). Plain (unsharded) and replicated parameters take torch's path, no
-traffic. Not yet: tensor-parallel matrices (refused).
+traffic. A matrix cut by tensor parallel too is gathered across both mesh dims (``WholeMatrix``).
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ An optimizer such as Muon (Newton-Schulz) or a Shampoo-like preconditioner needs
 matrix whole, while FSDP leaves every rank 1/N of its rows. ``WholeMatrix`` chooses, once, one
 owner rank per sharded matrix, and then maps a function over whole matrices:
 
-    every rank      packs its rows of each matrix, owner by owner, into one buffer
-    all_to_all #1   each owner receives every rank's rows of the matrices it owns
-    owner           cats them into the whole matrix and runs fn(param, whole) on it
-    all_to_all #2   each rank receives its rows of every result
+    every rank      packs its piece of each matrix, owner by owner, into one buffer
+    all_to_all #1   each owner receives every rank's piece of the matrices it owns
+    owner           copies them into the whole matrix and runs fn(param, whole) on it
+    all_to_all #2   each rank receives its piece of every result
     every rank      unpacks them: the result, cut as its shard is
 
 Two ``all_to_all_single`` per bucket (the matrices of one process group and one dtype, cut into
@@ -23,17 +23,25 @@ the least loaded rank so far (ties to the lowest rank); cost defaults to Newton-
 
 A parameter that is not a DTensor, or is replicated on every mesh dim (NO_SHARD), is whole on
 every rank: fn runs there, no traffic. HSDP's replicas each run their own exchange within
-their shard group (the mesh dim with ``Shard``), each owner computing for its replica.
+their shard group (the mesh dim with ``Shard``), each owner computing for its replica. A matrix
+cut by tensor parallel too (FSDP's ``Shard`` or ``_StridedShard`` on the dp dim, TP's ``Shard``
+on the tp dim) has one shard group over both dims (torch's ``DeviceMesh._flatten``): each rank's
+piece is one block of the matrix (``Layout.boxes``, from DTensor's own layout rule), the owner
+copies every block into place, and the exchange is the same.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_lite.engine.observe import Collective, Observer
 from fsdp_lite.engine.offload import with_local
@@ -73,7 +81,8 @@ class _Bucket:
     me: int = field(init=False)
     owned: list[int] = field(init=False)  # positions in members this rank owns
     by_owner: list[list[int]] = field(init=False)  # positions in members, per owner
-    device: torch.device | None = None
+    home: torch.device | None = None  # where the inputs are and the results go
+    device: torch.device | None = None  # where the exchange runs (and the owners compute)
     gather: _InFlight | None = None
     scatter: _InFlight | None = None
 
@@ -89,20 +98,33 @@ class _Bucket:
 class Layout:
     """How one sharded matrix lies across its shard group, and which rank of it owns it."""
 
-    group: dist.ProcessGroup  # the shard group: the mesh dim with Shard
+    group: dist.ProcessGroup  # the shard group: the mesh dims that cut the matrix, flattened
     rank: int  # this rank in ``group``
-    shard_dim: int  # the tensor dim cut (0: rows, 1: columns)
-    sizes: tuple[int, ...]  # each group rank's extent along shard_dim (torch.chunk's cut)
+    boxes: tuple[tuple[tuple[int, int], ...], ...]  # per group rank: [start, stop) of each dim
     shape: torch.Size  # the whole matrix
     owner: int  # the owner's rank in ``group``
 
     def piece_shape(self, rank: int) -> tuple[int, ...]:
-        shape = list(self.shape)
-        shape[self.shard_dim] = self.sizes[rank]
-        return tuple(shape)
+        return tuple(stop - start for start, stop in self.boxes[rank])
 
     def piece_numel(self, rank: int) -> int:
-        return self.shape.numel() // self.shape[self.shard_dim] * self.sizes[rank]
+        return math.prod(self.piece_shape(rank))
+
+    def piece_of(self, whole: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s piece of a whole matrix (a view)."""
+        return whole[tuple(slice(start, stop) for start, stop in self.boxes[rank])]
+
+    def cut(self) -> str:
+        """The pieces, for ``explain``: ``dim 0 cut 4/3`` where one dim is cut in rank order,
+        else each rank's block (``blocks 0:4,0:12 8:12,0:12 ...``)."""
+        shapes = [self.piece_shape(r) for r in range(len(self.boxes))]
+        dims = [d for d in range(len(self.shape)) if any(s[d] != self.shape[d] for s in shapes)]
+        starts = [box[dims[0]][0] for box in self.boxes] if len(dims) == 1 else []
+        if starts and starts == sorted(starts):
+            return f"dim {dims[0]} cut " + "/".join(str(s[dims[0]]) for s in shapes)
+        return "blocks " + " ".join(
+            ",".join(f"{start}:{stop}" for start, stop in box) for box in self.boxes
+        )
 
 
 class WholeMatrix:
@@ -165,10 +187,9 @@ class WholeMatrix:
             ranks = dist.get_process_group_ranks(lay.group)
             loads.setdefault(tuple(ranks), [0] * len(ranks))[lay.owner] += cost
             shape = "x".join(map(str, lay.shape))
-            cut = "/".join(map(str, lay.sizes))
             lines.append(
-                f"  {names.get(param, f'#{i}'):<28} {shape:>10}  dim {lay.shard_dim} cut "
-                f"{cut:<12} owner {lay.owner}  cost {cost}"
+                f"  {names.get(param, f'#{i}'):<28} {shape:>10}  {lay.cut():<22} "
+                f"owner {lay.owner}  cost {cost}"
             )
         for ranks, load in loads.items():
             lines.append(f"  load of group {list(ranks)}: {load}")
@@ -276,10 +297,10 @@ class WholeMatrix:
             sum(lays[k].piece_numel(me) for k in bucket.by_owner[o]) for o in range(size)
         ]
         recv_splits = [sum(lays[k].piece_numel(s) for k in bucket.owned) for s in range(size)]
-        bucket.device = locals_[bucket.members[0]].device
-        bucket.gather = self._all_to_all(
-            "gather", bucket, _cat(send, bucket.dtype, bucket.device), send_splits, recv_splits
-        )
+        bucket.home = locals_[bucket.members[0]].device
+        bucket.device = _exchange_device(bucket.group, bucket.home)
+        buffer = _cat(send, bucket.dtype, bucket.home).to(bucket.device)
+        bucket.gather = self._all_to_all("gather", bucket, buffer, send_splits, recv_splits)
 
     def _compute_and_scatter(self, bucket: _Bucket, fn: WholeFn, params: list) -> None:
         """Wait for the bucket's gather, run fn on each owned matrix, issue the scatter: each
@@ -295,7 +316,7 @@ class WholeMatrix:
                     f"{self.name}: fn returned shape {tuple(result.shape)} for a "
                     f"{tuple(lay.shape)} matrix"
                 )
-            pieces.append(result.split(lay.sizes, dim=lay.shard_dim))
+            pieces.append([lay.piece_of(result, r) for r in range(bucket.size)])
         lays, size, me, owned = bucket.layouts, bucket.size, bucket.me, bucket.owned
         send = [pieces[j][r].reshape(-1) for r in range(size) for j in range(len(owned))]
         send_splits = [sum(lays[k].piece_numel(r) for k in owned) for r in range(size)]
@@ -311,7 +332,7 @@ class WholeMatrix:
         mine = _unpack(
             received, splits, bucket.by_owner, bucket.layouts, transposed=False, me=bucket.me
         )
-        return [mine[k] for k in range(len(bucket.layouts))]
+        return [mine[k].to(bucket.home) for k in range(len(bucket.layouts))]
 
     def _all_to_all(self, phase, bucket, send, send_splits, recv_splits) -> _InFlight:
         received = send.new_empty(sum(recv_splits))
@@ -342,44 +363,76 @@ class WholeMatrix:
     # ---- layouts --------------------------------------------------------------------------------
 
     def _spec(self, param: torch.Tensor) -> dict | None:
-        """The shard group, rank and cut of a DTensor parameter; None where it is held whole."""
+        """The shard group (the mesh dims that cut ``param``, flattened), this rank in it and
+        every group rank's piece of the matrix; None where it is held whole."""
         if not isinstance(param, DTensor):
             return None
-        placements = param.placements
-        sharded = [d for d, pl in enumerate(placements) if type(pl) is Shard]
-        if any(type(pl) not in (Shard, Replicate) for pl in placements):
+        placements, mesh = param.placements, param.device_mesh
+        if any(type(pl) not in (Shard, Replicate, _StridedShard) for pl in placements):
             raise NotImplementedError(
-                f"{self.name} on a parameter with placements {placements}: only Shard and "
-                "Replicate placements are built (not tensor parallel's strided or partial ones)"
+                f"{self.name} on a parameter with placements {placements}: only Shard, "
+                "Replicate and FSDP's strided shard over tensor parallel's cut are built (not "
+                "a partial one)"
             )
-        if len(sharded) > 1:
-            raise NotImplementedError(
-                f"{self.name} on a parameter with placements {placements}: a matrix cut on "
-                "several mesh dims (tensor parallel's and FSDP's) is not built"
-            )
-        mesh = param.device_mesh
-        if not sharded or mesh.size(sharded[0]) == 1:
+        cut = [d for d, pl in enumerate(placements) if type(pl) is not Replicate]
+        cut = [d for d in cut if mesh.size(d) > 1]
+        if not cut:
             return None
         if param.ndim != 2:
             raise ValueError(
                 f"{self.name}: a sharded parameter of shape {tuple(param.shape)}; only matrices "
                 "(2-D) are built"
             )
-        dim = sharded[0]
-        shard_dim, n = placements[dim].dim % 2, mesh.size(dim)
-        extent = param.shape[shard_dim]
-        chunk = -(-extent // n)  # torch.chunk's cut, which DTensor's Shard follows
-        sizes = tuple(max(0, min(extent, (r + 1) * chunk) - r * chunk) for r in range(n))
-        return {
-            "group": mesh.get_group(dim),
-            "rank": mesh.get_local_rank(dim),
-            "shard_dim": shard_dim,
-            "sizes": sizes,
-        }
+        for d in cut:
+            pl = placements[d]
+            # FSDP over TP's cut of the same tensor dim: each rank's piece is one box of the
+            # matrix. Another strided layout interleaves rows, which the boxes cannot say.
+            if type(pl) is _StridedShard and pl.split_factor != math.prod(
+                mesh.size(j)
+                for j in range(d + 1, mesh.ndim)
+                if type(placements[j]) is Shard and placements[j].dim == pl.dim
+            ):
+                raise NotImplementedError(
+                    f"{self.name} on a parameter with placements {placements}: a strided shard "
+                    "other than FSDP's over tensor parallel's cut of the same dim is not built"
+                )
+        if len(cut) == 1:
+            group, rank = mesh.get_group(cut[0]), mesh.get_local_rank(cut[0])
+        else:  # FSDP's and tensor parallel's dims: one group over both
+            flat = _flatten(mesh, cut, self.name, placements)
+            group, rank = flat.get_group(), flat.get_local_rank()
+        boxes = []
+        for global_rank in dist.get_process_group_ranks(group):
+            coordinate = (mesh.mesh == global_rank).nonzero()[0].tolist()
+            shape, offset = _compute_local_shape_and_global_offset(
+                param.shape, mesh.shape, coordinate, placements
+            )
+            boxes.append(tuple((o, o + n) for o, n in zip(offset, shape)))
+        return {"group": group, "rank": rank, "boxes": tuple(boxes)}
 
     @staticmethod
     def _wrap(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         return with_local(param, local) if isinstance(param, DTensor) else local
+
+
+def _flatten(mesh: DeviceMesh, dims: list[int], name: str, placements) -> DeviceMesh:
+    """The 1-D mesh of ``mesh``'s ``dims`` flattened (torch's ``_flatten``, made once and kept)."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise NotImplementedError(
+            f"{name} on a parameter with placements {placements} on a mesh without dim names: "
+            "a matrix cut on several mesh dims needs their names to flatten them"
+        )
+    sub = mesh if len(dims) == mesh.ndim else mesh[tuple(names[d] for d in dims)]
+    return sub._flatten()
+
+
+def _exchange_device(group: dist.ProcessGroup, home: torch.device) -> torch.device:
+    """The device of the exchange's buffers: the inputs' own, but the current GPU where they
+    are in CPU memory (CPU offload) and the group is NCCL's, which moves CUDA tensors only."""
+    if home.type == "cpu" and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return home
 
 
 def _balance(costs: list[int], ranks: int) -> list[int]:
@@ -405,15 +458,14 @@ def _unpack(received, splits, who, layouts, *, transposed: bool, me: int = 0) ->
     """
     out, offset = {}, 0
     if transposed:
-        parts: dict[int, list[torch.Tensor]] = {k: [] for k in who}
+        for k in who:
+            out[k] = received.new_empty(layouts[k].shape)
         for source in range(len(splits)):
             for k in who:
                 numel = layouts[k].piece_numel(source)
                 piece = received[offset : offset + numel].view(layouts[k].piece_shape(source))
-                parts[k].append(piece)
+                layouts[k].piece_of(out[k], source).copy_(piece)
                 offset += numel
-        for k in who:
-            out[k] = torch.cat(parts[k], dim=layouts[k].shard_dim)
         return out
     for owner in range(len(splits)):
         for k in who[owner]:

@@ -293,9 +293,9 @@ def _whole_matrix_of_a_vector(c: Ctx) -> None:
     WholeMatrix([distribute_tensor(torch.ones(4), mesh, [Shard(0)])])
 
 
-def _whole_matrix_cut_twice(c: Ctx) -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
-    WholeMatrix([DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0), Shard(1)])])
+def _whole_matrix_partial(c: Ctx) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    WholeMatrix([DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])])
 
 
 def _tp_placement_partial(c: Ctx) -> None:
@@ -559,7 +559,7 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "whole_matrix_not_built_with": _whole_matrix(built_with=False),
     "whole_matrix_input_shape": _whole_matrix(local_rows=3),
     "whole_matrix_of_a_vector": _whole_matrix_of_a_vector,
-    "whole_matrix_cut_twice": _whole_matrix_cut_twice,
+    "whole_matrix_partial": _whole_matrix_partial,
     "all_gather_extension": _all_gather_extension,
     "dp_mesh_dims_empty": lambda c: DataParallelMeshDims(),
     "dp_mesh_dims_without_mesh": lambda c: fully_shard(
