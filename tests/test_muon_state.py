@@ -1,0 +1,375 @@
+"""fsdp_lite.Muon's optimizer state saved, resharded and loaded, bitwise.
+
+1. By parameter name, full and sharded (the FSDP1 front's FULL_SHARD and SHARD_OPTIM with
+   ``FSDP.optim_state_dict`` / ``optim_state_dict_to_load``; ``fully_shard`` with torch's
+   ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``), at 2 ranks: each name's
+   ``momentum_buffer`` is DDP + ``torch.optim.Muon``'s after 3 steps, and a fresh model and Muon
+   loaded from it continue bitwise as DDP does without stopping (3 more steps).
+2. Checkpoints across world sizes and owner placements (``fsdp_lite.checkpoint`` for the FSDP1
+   front, torch DCP with the state-dict API for ``fully_shard``): 3 steps at 2 ranks, save; load at
+   4 ranks, 3 steps, save; load at 3 ranks (uneven shards), 3 steps. The 2- and 4-rank legs train
+   under ``fsdp_lite.Canonical``, so after them the parameters and momentum are bitwise an
+   uninterrupted canonical run's (at 2 ranks). Canonical needs a power-of-two world size, so the
+   3-rank leg trains in the default mode: what it loads is bitwise the uninterrupted run's state,
+   and each of its steps is bitwise ``torch.optim.Muon`` on whole copies started from that state
+   and fed the model's own averaged gradients.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+import fsdp_lite
+import fsdp_lite.checkpoint
+from fsdp_lite import FullyShardedDataParallel as FSDP
+from fsdp_lite.canonical import Canonical
+from fsdp_lite.muon import Muon
+from tests.ranks import run_checks, run_ranks
+
+MUON = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw", "nesterov": True}
+
+
+class Matrices(nn.Module):
+    """16x24, 24x16, 8x24 and 7x8, no biases: rows 6/6/4, 8/8/8, 3/3/2, 3/3/1 at 3 ranks; 7 rows
+    uneven at 2 and 4 ranks too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(24, 16, bias=False)
+        self.b = nn.Linear(16, 24, bias=False)
+        self.c = nn.Linear(24, 8, bias=False)
+        self.d = nn.Linear(8, 7, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+def _wrap(kind: str, model: nn.Module) -> nn.Module:
+    if kind == "ddp":
+        return DistributedDataParallel(model)
+    if kind.startswith("fsdp1/"):
+        return FSDP(
+            model,
+            sharding_strategy=fsdp_lite.ShardingStrategy[kind.removeprefix("fsdp1/")],
+            auto_wrap_policy=fsdp_lite.wrap.ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=True,
+        )
+    for sub in (model.a, model.b, model.c):
+        fsdp_lite.fully_shard(sub)
+    fsdp_lite.fully_shard(model)
+    return model
+
+
+def _build(kind: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A wrapped model and its Muon (torch's for DDP); ``seed`` sets the initial weights."""
+    torch.set_num_threads(1)  # Canonical's contract; the same in every run here
+    torch.manual_seed(seed)
+    model = _wrap(kind, Matrices())
+    optim_cls = torch.optim.Muon if kind == "ddp" else Muon
+    return model, optim_cls(model.parameters(), **MUON)
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int, rank: int) -> None:
+    """One step on this rank's own batch (the default averaged gradient)."""
+    g = torch.Generator().manual_seed(10 * step + rank)
+    model(torch.randn(4, 24, generator=g)).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Whole parameters and momentum buffers by name (every rank gathers)."""
+    out = {}
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model):
+            for name, p in model.named_parameters():
+                out[f"param/{_clean(name)}"] = p.detach().clone()
+    for name, p in model.named_parameters():
+        if not isinstance(model, FSDP):
+            out[f"param/{_clean(name)}"] = _full(p)
+        out[f"momentum/{_clean(name)}"] = _full(optim.state[p]["momentum_buffer"])
+    return out
+
+
+def _assert_bitwise(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), (what, sorted(got), sorted(want))
+    for key in want:
+        diff = (got[key].double() - want[key].double()).abs().max().item()
+        assert torch.equal(got[key], want[key]), f"{what}: {key} differs (max {diff:.3g})"
+
+
+# ---- 1. by name, full and sharded, at 2 ranks ------------------------------------------------------
+
+_DDP: dict[str, dict] = {}  # this rank process's DDP + torch.optim.Muon reference, trained once
+
+
+def _ddp_reference(rank: int) -> dict[str, dict]:
+    """{"after 3": snapshot, "after 6": snapshot} of DDP + torch.optim.Muon."""
+    if not _DDP:
+        model, optim = _build("ddp")
+        for step in range(3):
+            _step(model, optim, step, rank)
+        _DDP["after 3"] = _snapshot(model, optim)
+        for step in range(3, 6):
+            _step(model, optim, step, rank)
+        _DDP["after 6"] = _snapshot(model, optim)
+    return _DDP
+
+
+def _state_dicts(kind: str, model: nn.Module, optim, full: bool) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts, keyed by name, as each front's users take them."""
+    if kind.startswith("fsdp1/"):
+        if full:  # the default type, FULL_STATE_DICT: every rank gets full tensors
+            return model.state_dict(), FSDP.optim_state_dict(model, optim)
+        with FSDP.state_dict_type(
+            model,
+            fsdp_lite.StateDictType.SHARDED_STATE_DICT,
+            fsdp_lite.ShardedStateDictConfig(_use_dtensor=True),
+            fsdp_lite.ShardedOptimStateDictConfig(_use_dtensor=True),
+        ):
+            return model.state_dict(), FSDP.optim_state_dict(model, optim)
+    options = StateDictOptions(full_state_dict=full)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(
+        model, optim, options=options
+    )
+
+
+def _load(kind: str, model: nn.Module, optim, msd: dict, osd: dict, full: bool) -> None:
+    if kind.startswith("fsdp1/"):
+        if full:
+            model.load_state_dict(msd)
+            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
+            return
+        with FSDP.state_dict_type(
+            model,
+            fsdp_lite.StateDictType.SHARDED_STATE_DICT,
+            fsdp_lite.ShardedStateDictConfig(_use_dtensor=True),
+            fsdp_lite.ShardedOptimStateDictConfig(_use_dtensor=True),
+        ):
+            model.load_state_dict(msd)
+            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
+        return
+    options = StateDictOptions(full_state_dict=full)
+    set_model_state_dict(model, msd, options=options)
+    set_optimizer_state_dict(model, optim, osd, options=options)
+
+
+def _by_name(kind: str, full: bool):
+    def check(rank: int, world_size: int) -> None:
+        want = _ddp_reference(rank)
+        model, optim = _build(kind)
+        for step in range(3):
+            _step(model, optim, step, rank)
+        msd, osd = _state_dicts(kind, model, optim, full)
+        saved = {f"momentum/{n}": s["momentum_buffer"] for n, s in osd["state"].items()}
+        assert all(isinstance(v, DTensor) != full for v in saved.values()), {
+            k: type(v).__name__ for k, v in saved.items()
+        }
+        momentum = {k: v for k, v in want["after 3"].items() if k.startswith("momentum/")}
+        _assert_bitwise({k: _full(v) for k, v in saved.items()}, momentum, f"{kind} saved")
+        # Copies, as from a file: the fresh optimizer must not share the old one's tensors.
+        msd, osd = torch.load(_bytes((msd, osd)), weights_only=False)
+        fresh, fresh_optim = _build(kind, seed=1)  # other initial weights, no momentum yet
+        assert not fresh_optim.state
+        _load(kind, fresh, fresh_optim, msd, osd, full)
+        _assert_bitwise(_snapshot(fresh, fresh_optim), want["after 3"], f"{kind} loaded")
+        for step in range(3, 6):
+            _step(fresh, fresh_optim, step, rank)
+        _assert_bitwise(_snapshot(fresh, fresh_optim), want["after 6"], f"{kind} resumed")
+
+    return check
+
+
+def _bytes(obj) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+BY_NAME_KINDS = ("fsdp1/FULL_SHARD", "fsdp1/SHARD_OPTIM", "fully_shard")
+CHECKS = {
+    f"{kind}/{how}": _by_name(kind, how == "full")
+    for kind in BY_NAME_KINDS
+    for how in ("full", "sharded")
+}
+
+
+def _rank_by_name(rank: int, world_size: int) -> dict[str, str]:
+    return run_checks(CHECKS, list(CHECKS), rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def by_name_results(tmp_path_factory):
+    return run_ranks(_rank_by_name, 2, tmp_path_factory.mktemp("by_name"), timeout=300)
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_state_dict_by_name_is_ddp_and_resumes_bitwise(by_name_results, check):
+    for rank, failures in enumerate(by_name_results):
+        assert check not in failures, f"rank {rank}:\n{failures[check]}"
+
+
+# ---- 2. checkpoints across world sizes: 2 -> 4 -> 3 ranks -----------------------------------------
+
+V = 4  # Canonical's virtual micro-batches: 2 and 4 ranks divide it
+LEGS = {2: range(0, 3), 4: range(3, 6), 3: range(6, 9)}
+CHAINS = {"fsdp1/FULL_SHARD": "fsdp_lite.checkpoint", "fully_shard": "dcp"}
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    """The same global batch on every rank: V micro-batches of 2 rows."""
+    return torch.randn(2 * V, 24, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _canonical_step(model: nn.Module, optim, canon: Canonical, step: int) -> None:
+    for micro in canon.micro_batches(_global_batch(step)):
+        model(micro).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _save(api: str, model: nn.Module, optim, path: str) -> None:
+    if api == "fsdp_lite.checkpoint":
+        fsdp_lite.checkpoint.save(model, optim, path)
+    else:
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optim),
+        }
+        dcp.save(state, checkpoint_id=path)
+
+
+def _restore(api: str, model: nn.Module, optim, path: str) -> None:
+    if api == "fsdp_lite.checkpoint":
+        fsdp_lite.checkpoint.load(model, optim, path)
+    else:
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optim),
+        }
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optim, state["optim"])
+
+
+def _owners(model: nn.Module, optim: Muon) -> dict[str, int | None]:
+    return {_clean(n): optim.whole.owner(p) for n, p in model.named_parameters()}
+
+
+def _leg(rank: int, world_size: int, root: str, reference: bytes | None) -> bytes:
+    """This world size's leg of each chain; at 2 ranks also the uninterrupted canonical run."""
+    out: dict = {}
+    for kind, api in CHAINS.items():
+        path = f"{root}/{kind.replace('/', '_')}"
+        steps = LEGS[world_size]
+        model, optim = _build(kind, seed=0 if world_size == 2 else 1)
+        if world_size == 2:  # the uninterrupted run: all 6 canonical steps, no checkpoint
+            whole, whole_optim = _build(kind)
+            whole_canon = Canonical(whole, virtual_batches=V)
+            for step in (*LEGS[2], *LEGS[4]):
+                _canonical_step(whole, whole_optim, whole_canon, step)
+            out[(kind, "uninterrupted")] = _snapshot(whole, whole_optim)
+        else:
+            _restore(api, model, optim, f"{path}_{ {4: 2, 3: 4}[world_size] }")
+            out[(kind, "loaded")] = _snapshot(model, optim)
+        out[(kind, "owners")] = _owners(model, optim)
+        if world_size == 3:  # not canonical (3 is no power of two): torch's Muon on whole copies
+            out[(kind, "steps")] = _shadowed_steps(kind, model, optim, steps, rank, reference)
+        else:
+            canon = Canonical(model, virtual_batches=V)
+            canon.check_optimizer(optim)
+            for step in steps:
+                _canonical_step(model, optim, canon, step)
+            _save(api, model, optim, f"{path}_{world_size}")
+        out[(kind, "end")] = _snapshot(model, optim)
+    return _bytes(out).getvalue()
+
+
+def _shadowed_steps(kind, model, optim, steps, rank, reference: bytes) -> list[str]:
+    """Step ``model`` (default averaged gradients) beside torch.optim.Muon on whole copies that
+    start from the uninterrupted run's state and take the model's gradients; after each step
+    both bitwise alike. Returns what it compared."""
+    start = torch.load(io.BytesIO(reference), weights_only=False)[(kind, "uninterrupted")]
+    names = [_clean(n) for n, _ in model.named_parameters()]
+    shadow = {n: nn.Parameter(start[f"param/{n}"].clone()) for n in names}
+    torch_muon = torch.optim.Muon(shadow.values(), **MUON)
+    for n in names:
+        torch_muon.state[shadow[n]]["momentum_buffer"] = start[f"momentum/{n}"].clone()
+    compared = []
+    for step in steps:
+        g = torch.Generator().manual_seed(10 * step + rank)
+        model(torch.randn(4, 24, generator=g)).square().mean().backward()
+        grads = {_clean(n): _full(p.grad) for n, p in model.named_parameters()}
+        for n in names:
+            shadow[n].grad = grads[n]
+        optim.step()
+        torch_muon.step()
+        optim.zero_grad()
+        want = {f"param/{n}": shadow[n].detach() for n in names}
+        want.update(
+            {f"momentum/{n}": torch_muon.state[shadow[n]]["momentum_buffer"] for n in names}
+        )
+        _assert_bitwise(_snapshot(model, optim), want, f"{kind} 3 ranks step {step}")
+        compared.append(f"step {step}")
+    return compared
+
+
+@pytest.fixture(scope="module")
+def legs(tmp_path_factory) -> dict[int, dict]:
+    root = str(tmp_path_factory.mktemp("muon_checkpoints"))
+    results: dict[int, dict] = {}
+    reference = None
+    for n in (2, 4, 3):  # each leg loads the checkpoint the last one saved
+        launch = run_ranks(
+            _leg, n, tmp_path_factory.mktemp(f"leg{n}"), timeout=300, args=(root, reference)
+        )
+        if n == 2:
+            reference = launch[0]
+        results[n] = torch.load(io.BytesIO(launch[0]), weights_only=False)
+    return results
+
+
+@pytest.mark.parametrize("kind", list(CHAINS))
+def test_checkpoint_2_to_4_ranks_is_the_uninterrupted_run(legs, kind):
+    """After 3 canonical steps at 2 ranks, a checkpoint, and 3 at 4 ranks: the uninterrupted
+    canonical run's parameters and momentum, bitwise."""
+    want = legs[2][(kind, "uninterrupted")]
+    _assert_bitwise(legs[4][(kind, "end")], want, f"{kind} 2 -> 4 ranks")
+
+
+@pytest.mark.parametrize("kind", list(CHAINS))
+def test_checkpoint_loads_at_3_ranks_and_continues_as_torch_muon(legs, kind):
+    """The 4-rank leg's checkpoint loaded at 3 ranks (uneven shards) is the uninterrupted run's
+    state, and 3 steps on it are torch.optim.Muon's on whole copies (compared after each)."""
+    _assert_bitwise(legs[3][(kind, "loaded")], legs[2][(kind, "uninterrupted")], f"{kind} at 3")
+    assert legs[3][(kind, "steps")] == ["step 6", "step 7", "step 8"]
+
+
+@pytest.mark.parametrize("kind", list(CHAINS))
+def test_owner_placements_differ_between_legs(legs, kind):
+    """Each world size places the Newton-Schulz owners anew: the state does not follow them."""
+    placements = [tuple(legs[n][(kind, "owners")].values()) for n in (2, 4, 3)]
+    assert len(set(placements)) == 3, placements
