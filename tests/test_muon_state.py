@@ -138,11 +138,26 @@ def _ddp_reference(rank: int) -> dict[str, dict]:
     return _DDP
 
 
-def _state_dicts(kind: str, model: nn.Module, optim, full: bool) -> tuple[dict, dict]:
-    """The model's and the optimizer's state dicts, keyed by name, as each front's users take them."""
+def _optim_rank0_only(model: nn.Module):
+    """The full optimizer state on rank 0 only (the other ranks get {}; loading broadcasts it
+    from rank 0); the model's full on every rank, as an FSDP1 script loads it from one file."""
+    return FSDP.state_dict_type(
+        model,
+        fsdp_lite.StateDictType.FULL_STATE_DICT,
+        fsdp_lite.FullStateDictConfig(),
+        fsdp_lite.FullOptimStateDictConfig(rank0_only=True),
+    )
+
+
+def _state_dicts(kind: str, model: nn.Module, optim, how: str) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts, keyed by name, as each front's users take
+    them: ``how`` is "full" (every rank), "rank0" (full on rank 0 only) or "sharded"."""
     if kind.startswith("fsdp1/"):
-        if full:  # the default type, FULL_STATE_DICT: every rank gets full tensors
+        if how == "full":  # the default type, FULL_STATE_DICT: every rank gets full tensors
             return model.state_dict(), FSDP.optim_state_dict(model, optim)
+        if how == "rank0":
+            with _optim_rank0_only(model):
+                return model.state_dict(), FSDP.optim_state_dict(model, optim)
         with FSDP.state_dict_type(
             model,
             fsdp_lite.StateDictType.SHARDED_STATE_DICT,
@@ -150,17 +165,23 @@ def _state_dicts(kind: str, model: nn.Module, optim, full: bool) -> tuple[dict, 
             fsdp_lite.ShardedOptimStateDictConfig(_use_dtensor=True),
         ):
             return model.state_dict(), FSDP.optim_state_dict(model, optim)
-    options = StateDictOptions(full_state_dict=full)
+    # torch's rule: full with cpu_offload gives rank 0 everything, the other ranks nothing
+    options = StateDictOptions(full_state_dict=how != "sharded", cpu_offload=how == "rank0")
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(
         model, optim, options=options
     )
 
 
-def _load(kind: str, model: nn.Module, optim, msd: dict, osd: dict, full: bool) -> None:
+def _load(kind: str, model: nn.Module, optim, msd: dict, osd: dict, how: str) -> None:
     if kind.startswith("fsdp1/"):
-        if full:
+        if how == "full":
             model.load_state_dict(msd)
             optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
+            return
+        if how == "rank0":
+            with _optim_rank0_only(model):
+                model.load_state_dict(msd)
+                optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
             return
         with FSDP.state_dict_type(
             model,
@@ -171,29 +192,34 @@ def _load(kind: str, model: nn.Module, optim, msd: dict, osd: dict, full: bool) 
             model.load_state_dict(msd)
             optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
         return
-    options = StateDictOptions(full_state_dict=full)
+    options = StateDictOptions(
+        full_state_dict=how != "sharded", broadcast_from_rank0=how == "rank0"
+    )
     set_model_state_dict(model, msd, options=options)
     set_optimizer_state_dict(model, optim, osd, options=options)
 
 
-def _by_name(kind: str, full: bool):
+def _by_name(kind: str, how: str):
     def check(rank: int, world_size: int) -> None:
         want = _ddp_reference(rank)
         model, optim = _build(kind)
         for step in range(3):
             _step(model, optim, step, rank)
-        msd, osd = _state_dicts(kind, model, optim, full)
-        saved = {f"momentum/{n}": s["momentum_buffer"] for n, s in osd["state"].items()}
-        assert all(isinstance(v, DTensor) != full for v in saved.values()), {
-            k: type(v).__name__ for k, v in saved.items()
-        }
-        momentum = {k: v for k, v in want["after 3"].items() if k.startswith("momentum/")}
-        _assert_bitwise({k: _full(v) for k, v in saved.items()}, momentum, f"{kind} saved")
+        msd, osd = _state_dicts(kind, model, optim, how)
+        if how == "rank0" and rank != 0:
+            assert osd == {}, list(osd)
+        else:
+            saved = {f"momentum/{n}": s["momentum_buffer"] for n, s in osd["state"].items()}
+            assert all(isinstance(v, DTensor) == (how == "sharded") for v in saved.values()), {
+                k: type(v).__name__ for k, v in saved.items()
+            }
+            momentum = {k: v for k, v in want["after 3"].items() if k.startswith("momentum/")}
+            _assert_bitwise({k: _full(v) for k, v in saved.items()}, momentum, f"{kind} saved")
         # Copies, as from a file: the fresh optimizer must not share the old one's tensors.
         msd, osd = torch.load(_bytes((msd, osd)), weights_only=False)
         fresh, fresh_optim = _build(kind, seed=1)  # other initial weights, no momentum yet
         assert not fresh_optim.state
-        _load(kind, fresh, fresh_optim, msd, osd, full)
+        _load(kind, fresh, fresh_optim, msd, osd, how)
         _assert_bitwise(_snapshot(fresh, fresh_optim), want["after 3"], f"{kind} loaded")
         for step in range(3, 6):
             _step(fresh, fresh_optim, step, rank)
@@ -211,9 +237,9 @@ def _bytes(obj) -> io.BytesIO:
 
 BY_NAME_KINDS = ("fsdp1/FULL_SHARD", "fsdp1/SHARD_OPTIM", "fully_shard")
 CHECKS = {
-    f"{kind}/{how}": _by_name(kind, how == "full")
+    f"{kind}/{how}": _by_name(kind, how)
     for kind in BY_NAME_KINDS
-    for how in ("full", "sharded")
+    for how in ("full", "rank0", "sharded")
 }
 
 
@@ -236,7 +262,14 @@ def test_state_dict_by_name_is_ddp_and_resumes_bitwise(by_name_results, check):
 
 V = 4  # Canonical's virtual micro-batches: 2 and 4 ranks divide it
 LEGS = {2: range(0, 3), 4: range(3, 6), 3: range(6, 9)}
-CHAINS = {"fsdp1/FULL_SHARD": "fsdp_lite.checkpoint", "fully_shard": "dcp"}
+# (front, checkpoint API): fsdp_lite.checkpoint for both fronts and ZeRO-1; torch DCP with the
+# state-dict API (get/set_model_state_dict, get/set_optimizer_state_dict) as FSDP2 users write it.
+CHAINS = [
+    ("fsdp1/FULL_SHARD", "fsdp_lite.checkpoint"),
+    ("fsdp1/SHARD_OPTIM", "fsdp_lite.checkpoint"),
+    ("fully_shard", "fsdp_lite.checkpoint"),
+    ("fully_shard", "dcp"),
+]
 
 
 def _global_batch(step: int) -> torch.Tensor:
@@ -279,32 +312,35 @@ def _owners(model: nn.Module, optim: Muon) -> dict[str, int | None]:
     return {_clean(n): optim.whole.owner(p) for n, p in model.named_parameters()}
 
 
+PREVIOUS = {4: 2, 3: 4}  # the world size whose checkpoint each leg loads
+
+
 def _leg(rank: int, world_size: int, root: str, reference: bytes | None) -> bytes:
     """This world size's leg of each chain; at 2 ranks also the uninterrupted canonical run."""
     out: dict = {}
-    for kind, api in CHAINS.items():
-        path = f"{root}/{kind.replace('/', '_')}"
-        steps = LEGS[world_size]
+    for kind, api in CHAINS:
+        path = f"{root}/{kind.replace('/', '_')}_{api}"
         model, optim = _build(kind, seed=0 if world_size == 2 else 1)
-        if world_size == 2:  # the uninterrupted run: all 6 canonical steps, no checkpoint
+        if world_size == 2 and (kind, "uninterrupted") not in out:  # 6 canonical steps
             whole, whole_optim = _build(kind)
             whole_canon = Canonical(whole, virtual_batches=V)
             for step in (*LEGS[2], *LEGS[4]):
                 _canonical_step(whole, whole_optim, whole_canon, step)
             out[(kind, "uninterrupted")] = _snapshot(whole, whole_optim)
-        else:
-            _restore(api, model, optim, f"{path}_{ {4: 2, 3: 4}[world_size] }")
-            out[(kind, "loaded")] = _snapshot(model, optim)
-        out[(kind, "owners")] = _owners(model, optim)
+        if world_size != 2:
+            _restore(api, model, optim, f"{path}_{PREVIOUS[world_size]}")
+            out[(kind, api, "loaded")] = _snapshot(model, optim)
+        out[(kind, api, "owners")] = _owners(model, optim)
         if world_size == 3:  # not canonical (3 is no power of two): torch's Muon on whole copies
-            out[(kind, "steps")] = _shadowed_steps(kind, model, optim, steps, rank, reference)
+            steps = _shadowed_steps(kind, model, optim, LEGS[3], rank, reference)
+            out[(kind, api, "steps")] = steps
         else:
             canon = Canonical(model, virtual_batches=V)
             canon.check_optimizer(optim)
-            for step in steps:
+            for step in LEGS[world_size]:
                 _canonical_step(model, optim, canon, step)
             _save(api, model, optim, f"{path}_{world_size}")
-        out[(kind, "end")] = _snapshot(model, optim)
+        out[(kind, api, "end")] = _snapshot(model, optim)
     return _bytes(out).getvalue()
 
 
@@ -352,24 +388,29 @@ def legs(tmp_path_factory) -> dict[int, dict]:
     return results
 
 
-@pytest.mark.parametrize("kind", list(CHAINS))
-def test_checkpoint_2_to_4_ranks_is_the_uninterrupted_run(legs, kind):
+CHAIN_IDS = [f"{kind}-{api}" for kind, api in CHAINS]
+
+
+@pytest.mark.parametrize("kind, api", CHAINS, ids=CHAIN_IDS)
+def test_checkpoint_2_to_4_ranks_is_the_uninterrupted_run(legs, kind, api):
     """After 3 canonical steps at 2 ranks, a checkpoint, and 3 at 4 ranks: the uninterrupted
-    canonical run's parameters and momentum, bitwise."""
+    canonical run's parameters and momentum, bitwise (the 4-rank leg started from the loaded
+    state: other initial weights, no momentum before loading)."""
     want = legs[2][(kind, "uninterrupted")]
-    _assert_bitwise(legs[4][(kind, "end")], want, f"{kind} 2 -> 4 ranks")
+    _assert_bitwise(legs[4][(kind, api, "end")], want, f"{kind} {api} 2 -> 4 ranks")
 
 
-@pytest.mark.parametrize("kind", list(CHAINS))
-def test_checkpoint_loads_at_3_ranks_and_continues_as_torch_muon(legs, kind):
+@pytest.mark.parametrize("kind, api", CHAINS, ids=CHAIN_IDS)
+def test_checkpoint_loads_at_3_ranks_and_continues_as_torch_muon(legs, kind, api):
     """The 4-rank leg's checkpoint loaded at 3 ranks (uneven shards) is the uninterrupted run's
     state, and 3 steps on it are torch.optim.Muon's on whole copies (compared after each)."""
-    _assert_bitwise(legs[3][(kind, "loaded")], legs[2][(kind, "uninterrupted")], f"{kind} at 3")
-    assert legs[3][(kind, "steps")] == ["step 6", "step 7", "step 8"]
+    want = legs[2][(kind, "uninterrupted")]
+    _assert_bitwise(legs[3][(kind, api, "loaded")], want, f"{kind} {api} loaded at 3 ranks")
+    assert legs[3][(kind, api, "steps")] == ["step 6", "step 7", "step 8"]
 
 
-@pytest.mark.parametrize("kind", list(CHAINS))
-def test_owner_placements_differ_between_legs(legs, kind):
-    """Each world size places the Newton-Schulz owners anew: the state does not follow them."""
-    placements = [tuple(legs[n][(kind, "owners")].values()) for n in (2, 4, 3)]
+@pytest.mark.parametrize("kind, api", CHAINS, ids=CHAIN_IDS)
+def test_owner_placements_differ_between_legs(legs, kind, api):
+    """Each world size places the Newton-Schulz owners anew; the state does not follow them."""
+    placements = [tuple(legs[n][(kind, api, "owners")].values()) for n in (2, 4, 3)]
     assert len(set(placements)) == 3, placements
