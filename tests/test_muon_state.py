@@ -44,14 +44,14 @@ MUON = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw", "nes
 
 
 class Matrices(nn.Module):
-    """16x24, 24x16, 8x24 and 7x8, no biases: rows 6/6/4, 8/8/8, 3/3/2, 3/3/1 at 3 ranks; 7 rows
-    uneven at 2 and 4 ranks too."""
+    """16x24, 24x16, 8x24 and 7x8: rows 6/6/4, 8/8/8, 3/3/2, 3/3/1 at 3 ranks; 7 rows uneven at 2
+    and 4 ranks too. ``biases``: the first three layers have biases (for AdamW beside Muon)."""
 
-    def __init__(self) -> None:
+    def __init__(self, biases: bool = False) -> None:
         super().__init__()
-        self.a = nn.Linear(24, 16, bias=False)
-        self.b = nn.Linear(16, 24, bias=False)
-        self.c = nn.Linear(24, 8, bias=False)
+        self.a = nn.Linear(24, 16, bias=biases)
+        self.b = nn.Linear(16, 24, bias=biases)
+        self.c = nn.Linear(24, 8, bias=biases)
         self.d = nn.Linear(8, 7, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,13 +74,20 @@ def _wrap(kind: str, model: nn.Module) -> nn.Module:
     return model
 
 
-def _build(kind: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A wrapped model and its Muon (torch's for DDP); ``seed`` sets the initial weights."""
+ADAMW = {"lr": 1e-2, "foreach": True}  # foreach: world-size invariant (Canonical.check_optimizer)
+
+
+def _build(kind: str, seed: int = 0, biases: bool = False) -> tuple[nn.Module, list]:
+    """A wrapped model and its optimizers: Muon (torch's for DDP) on the matrices, and with
+    ``biases`` AdamW on the biases, as Muon is used; ``seed`` sets the initial weights."""
     torch.set_num_threads(1)  # Canonical's contract; the same in every run here
     torch.manual_seed(seed)
-    model = _wrap(kind, Matrices())
-    optim_cls = torch.optim.Muon if kind == "ddp" else Muon
-    return model, optim_cls(model.parameters(), **MUON)
+    model = _wrap(kind, Matrices(biases))
+    muon = torch.optim.Muon if kind == "ddp" else Muon
+    optims = [muon([p for p in model.parameters() if p.ndim == 2], **MUON)]
+    if biases:
+        optims.append(torch.optim.AdamW([p for p in model.parameters() if p.ndim == 1], **ADAMW))
+    return model, optims
 
 
 def _clean(name: str) -> str:
@@ -91,16 +98,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int, rank: int) -> None:
+def _step(model: nn.Module, optims: list, step: int, rank: int) -> None:
     """One step on this rank's own batch (the default averaged gradient)."""
     g = torch.Generator().manual_seed(10 * step + rank)
     model(torch.randn(4, 24, generator=g)).square().mean().backward()
-    optim.step()
-    optim.zero_grad()
+    for optim in optims:
+        optim.step()
+        optim.zero_grad()
 
 
-def _snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Whole parameters and momentum buffers by name (every rank gathers)."""
+def _snapshot(model: nn.Module, optims: list) -> dict[str, torch.Tensor]:
+    """Whole parameters and optimizer state ("state/a.weight/momentum_buffer") by name (every
+    rank gathers)."""
     out = {}
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model):
@@ -109,7 +118,9 @@ def _snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch
     for name, p in model.named_parameters():
         if not isinstance(model, FSDP):
             out[f"param/{_clean(name)}"] = _full(p)
-        out[f"momentum/{_clean(name)}"] = _full(optim.state[p]["momentum_buffer"])
+        (state,) = [optim.state[p] for optim in optims if p in optim.state]
+        for key, value in state.items():
+            out[f"state/{_clean(name)}/{key}"] = _full(value)
     return out
 
 
@@ -128,13 +139,13 @@ _DDP: dict[str, dict] = {}  # this rank process's DDP + torch.optim.Muon referen
 def _ddp_reference(rank: int) -> dict[str, dict]:
     """{"after 3": snapshot, "after 6": snapshot} of DDP + torch.optim.Muon."""
     if not _DDP:
-        model, optim = _build("ddp")
+        model, optims = _build("ddp")
         for step in range(3):
-            _step(model, optim, step, rank)
-        _DDP["after 3"] = _snapshot(model, optim)
+            _step(model, optims, step, rank)
+        _DDP["after 3"] = _snapshot(model, optims)
         for step in range(3, 6):
-            _step(model, optim, step, rank)
-        _DDP["after 6"] = _snapshot(model, optim)
+            _step(model, optims, step, rank)
+        _DDP["after 6"] = _snapshot(model, optims)
     return _DDP
 
 
@@ -202,28 +213,28 @@ def _load(kind: str, model: nn.Module, optim, msd: dict, osd: dict, how: str) ->
 def _by_name(kind: str, how: str):
     def check(rank: int, world_size: int) -> None:
         want = _ddp_reference(rank)
-        model, optim = _build(kind)
+        model, optims = _build(kind)
         for step in range(3):
-            _step(model, optim, step, rank)
-        msd, osd = _state_dicts(kind, model, optim, how)
+            _step(model, optims, step, rank)
+        msd, osd = _state_dicts(kind, model, optims[0], how)
         if how == "rank0" and rank != 0:
             assert osd == {}, list(osd)
         else:
-            saved = {f"momentum/{n}": s["momentum_buffer"] for n, s in osd["state"].items()}
+            saved = {f"state/{n}/{k}": v for n, s in osd["state"].items() for k, v in s.items()}
             assert all(isinstance(v, DTensor) == (how == "sharded") for v in saved.values()), {
                 k: type(v).__name__ for k, v in saved.items()
             }
-            momentum = {k: v for k, v in want["after 3"].items() if k.startswith("momentum/")}
+            momentum = {k: v for k, v in want["after 3"].items() if k.startswith("state/")}
             _assert_bitwise({k: _full(v) for k, v in saved.items()}, momentum, f"{kind} saved")
         # Copies, as from a file: the fresh optimizer must not share the old one's tensors.
         msd, osd = torch.load(_bytes((msd, osd)), weights_only=False)
-        fresh, fresh_optim = _build(kind, seed=1)  # other initial weights, no momentum yet
-        assert not fresh_optim.state
-        _load(kind, fresh, fresh_optim, msd, osd, how)
-        _assert_bitwise(_snapshot(fresh, fresh_optim), want["after 3"], f"{kind} loaded")
+        fresh, fresh_optims = _build(kind, seed=1)  # other initial weights, no momentum yet
+        assert not fresh_optims[0].state
+        _load(kind, fresh, fresh_optims[0], msd, osd, how)
+        _assert_bitwise(_snapshot(fresh, fresh_optims), want["after 3"], f"{kind} loaded")
         for step in range(3, 6):
-            _step(fresh, fresh_optim, step, rank)
-        _assert_bitwise(_snapshot(fresh, fresh_optim), want["after 6"], f"{kind} resumed")
+            _step(fresh, fresh_optims, step, rank)
+        _assert_bitwise(_snapshot(fresh, fresh_optims), want["after 6"], f"{kind} resumed")
 
     return check
 
@@ -277,39 +288,40 @@ def _global_batch(step: int) -> torch.Tensor:
     return torch.randn(2 * V, 24, generator=torch.Generator().manual_seed(100 + step))
 
 
-def _canonical_step(model: nn.Module, optim, canon: Canonical, step: int) -> None:
+def _canonical_step(model: nn.Module, optims: list, canon: Canonical, step: int) -> None:
     for micro in canon.micro_batches(_global_batch(step)):
         model(micro).square().mean().backward()
-    optim.step()
-    optim.zero_grad()
+    for optim in optims:
+        optim.step()
+        optim.zero_grad()
 
 
-def _save(api: str, model: nn.Module, optim, path: str) -> None:
+def _save(api: str, model: nn.Module, optims: list, path: str) -> None:
     if api == "fsdp_lite.checkpoint":
-        fsdp_lite.checkpoint.save(model, optim, path)
+        fsdp_lite.checkpoint.save(model, optims, path)
     else:
         state = {
             "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optim),
+            "optim": get_optimizer_state_dict(model, optims),
         }
         dcp.save(state, checkpoint_id=path)
 
 
-def _restore(api: str, model: nn.Module, optim, path: str) -> None:
+def _restore(api: str, model: nn.Module, optims: list, path: str) -> None:
     if api == "fsdp_lite.checkpoint":
-        fsdp_lite.checkpoint.load(model, optim, path)
+        fsdp_lite.checkpoint.load(model, optims, path)
     else:
         state = {
             "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optim),
+            "optim": get_optimizer_state_dict(model, optims),
         }
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optim, state["optim"])
+        set_optimizer_state_dict(model, optims, state["optim"])
 
 
-def _owners(model: nn.Module, optim: Muon) -> dict[str, int | None]:
-    return {_clean(n): optim.whole.owner(p) for n, p in model.named_parameters()}
+def _owners(model: nn.Module, muon: Muon) -> dict[str, int | None]:
+    return {_clean(n): muon.whole.owner(p) for n, p in model.named_parameters() if p.ndim == 2}
 
 
 PREVIOUS = {4: 2, 3: 4}  # the world size whose checkpoint each leg loads
@@ -320,40 +332,51 @@ def _leg(rank: int, world_size: int, root: str, reference: bytes | None) -> byte
     out: dict = {}
     for kind, api in CHAINS:
         path = f"{root}/{kind.replace('/', '_')}_{api}"
-        model, optim = _build(kind, seed=0 if world_size == 2 else 1)
+        model, optims = _build(kind, seed=0 if world_size == 2 else 1, biases=True)
         if world_size == 2 and (kind, "uninterrupted") not in out:  # 6 canonical steps
-            whole, whole_optim = _build(kind)
+            whole, whole_optims = _build(kind, biases=True)
             whole_canon = Canonical(whole, virtual_batches=V)
             for step in (*LEGS[2], *LEGS[4]):
-                _canonical_step(whole, whole_optim, whole_canon, step)
-            out[(kind, "uninterrupted")] = _snapshot(whole, whole_optim)
+                _canonical_step(whole, whole_optims, whole_canon, step)
+            out[(kind, "uninterrupted")] = _snapshot(whole, whole_optims)
         if world_size != 2:
-            _restore(api, model, optim, f"{path}_{PREVIOUS[world_size]}")
-            out[(kind, api, "loaded")] = _snapshot(model, optim)
-        out[(kind, api, "owners")] = _owners(model, optim)
-        if world_size == 3:  # not canonical (3 is no power of two): torch's Muon on whole copies
-            steps = _shadowed_steps(kind, model, optim, LEGS[3], rank, reference)
+            assert not any(optim.state for optim in optims)  # Muon's momentum is made lazily
+            _restore(api, model, optims, f"{path}_{PREVIOUS[world_size]}")
+            out[(kind, api, "loaded")] = _snapshot(model, optims)
+        out[(kind, api, "owners")] = _owners(model, optims[0])
+        if world_size == 3:  # not canonical (3 is no power of two): torch's on whole copies
+            steps = _shadowed_steps(kind, model, optims, LEGS[3], rank, reference)
             out[(kind, api, "steps")] = steps
         else:
             canon = Canonical(model, virtual_batches=V)
-            canon.check_optimizer(optim)
+            for optim in optims:
+                canon.check_optimizer(optim)
             for step in LEGS[world_size]:
-                _canonical_step(model, optim, canon, step)
-            _save(api, model, optim, f"{path}_{world_size}")
-        out[(kind, api, "end")] = _snapshot(model, optim)
+                _canonical_step(model, optims, canon, step)
+            _save(api, model, optims, f"{path}_{world_size}")
+        out[(kind, api, "end")] = _snapshot(model, optims)
     return _bytes(out).getvalue()
 
 
-def _shadowed_steps(kind, model, optim, steps, rank, reference: bytes) -> list[str]:
-    """Step ``model`` (default averaged gradients) beside torch.optim.Muon on whole copies that
-    start from the uninterrupted run's state and take the model's gradients; after each step
-    both bitwise alike. Returns what it compared."""
+def _shadowed_steps(kind, model, optims, steps, rank, reference: bytes) -> list[str]:
+    """Step ``model`` (default averaged gradients) beside torch.optim.Muon and AdamW on whole
+    copies that start from the uninterrupted run's state and take the model's gradients; after
+    each step both bitwise alike. Returns what it compared."""
     start = torch.load(io.BytesIO(reference), weights_only=False)[(kind, "uninterrupted")]
     names = [_clean(n) for n, _ in model.named_parameters()]
     shadow = {n: nn.Parameter(start[f"param/{n}"].clone()) for n in names}
-    torch_muon = torch.optim.Muon(shadow.values(), **MUON)
+    torch_optims = [
+        torch.optim.Muon([p for p in shadow.values() if p.ndim == 2], **MUON),
+        torch.optim.AdamW([p for p in shadow.values() if p.ndim == 1], **ADAMW),
+    ]
     for n in names:
-        torch_muon.state[shadow[n]]["momentum_buffer"] = start[f"momentum/{n}"].clone()
+        torch_optim = torch_optims[0 if shadow[n].ndim == 2 else 1]
+        prefix = f"state/{n}/"
+        torch_optim.state[shadow[n]] = {
+            key.removeprefix(prefix): value.clone()
+            for key, value in start.items()
+            if key.startswith(prefix)
+        }
     compared = []
     for step in steps:
         g = torch.Generator().manual_seed(10 * step + rank)
@@ -361,16 +384,21 @@ def _shadowed_steps(kind, model, optim, steps, rank, reference: bytes) -> list[s
         grads = {_clean(n): _full(p.grad) for n, p in model.named_parameters()}
         for n in names:
             shadow[n].grad = grads[n]
-        optim.step()
-        torch_muon.step()
-        optim.zero_grad()
-        want = {f"param/{n}": shadow[n].detach() for n in names}
-        want.update(
-            {f"momentum/{n}": torch_muon.state[shadow[n]]["momentum_buffer"] for n in names}
-        )
-        _assert_bitwise(_snapshot(model, optim), want, f"{kind} 3 ranks step {step}")
+        for optim in (*optims, *torch_optims):
+            optim.step()
+            optim.zero_grad()
+        want = _snapshot_plain(shadow, torch_optims)
+        _assert_bitwise(_snapshot(model, optims), want, f"{kind} 3 ranks step {step}")
         compared.append(f"step {step}")
     return compared
+
+
+def _snapshot_plain(params: dict[str, nn.Parameter], optims: list) -> dict[str, torch.Tensor]:
+    out = {f"param/{n}": p.detach().clone() for n, p in params.items()}
+    for n, p in params.items():
+        state = optims[0 if p.ndim == 2 else 1].state[p]
+        out.update({f"state/{n}/{key}": value.clone() for key, value in state.items()})
+    return out
 
 
 @pytest.fixture(scope="module")
