@@ -1,18 +1,20 @@
 """fsdp_lite.Muon's optimizer state saved, resharded and loaded, bitwise.
 
-1. By parameter name, full and sharded (the FSDP1 front's FULL_SHARD and SHARD_OPTIM with
-   ``FSDP.optim_state_dict`` / ``optim_state_dict_to_load``; ``fully_shard`` with torch's
-   ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``), at 2 ranks: each name's
-   ``momentum_buffer`` is DDP + ``torch.optim.Muon``'s after 3 steps, and a fresh model and Muon
-   loaded from it continue bitwise as DDP does without stopping (3 more steps).
-2. Checkpoints across world sizes and owner placements (``fsdp_lite.checkpoint`` for the FSDP1
-   front, torch DCP with the state-dict API for ``fully_shard``): 3 steps at 2 ranks, save; load at
-   4 ranks, 3 steps, save; load at 3 ranks (uneven shards), 3 steps. The 2- and 4-rank legs train
-   under ``fsdp_lite.Canonical``, so after them the parameters and momentum are bitwise an
-   uninterrupted canonical run's (at 2 ranks). Canonical needs a power-of-two world size, so the
-   3-rank leg trains in the default mode: what it loads is bitwise the uninterrupted run's state,
-   and each of its steps is bitwise ``torch.optim.Muon`` on whole copies started from that state
-   and fed the model's own averaged gradients.
+1. By parameter name, full (every rank, or rank 0 only) and sharded: the FSDP1 front's
+   FULL_SHARD and SHARD_OPTIM with ``FSDP.optim_state_dict`` / ``optim_state_dict_to_load``,
+   ``fully_shard`` with torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, at 2
+   ranks: each name's ``momentum_buffer`` is DDP + ``torch.optim.Muon``'s after 3 steps, and a
+   fresh model and Muon (other weights, no momentum yet) loaded from it continue bitwise as DDP
+   does without stopping (3 more steps).
+2. Checkpoints across world sizes and owner placements, Muon on the matrices and AdamW on the
+   biases (``fsdp_lite.checkpoint`` with both optimizers for FSDP1 FULL_SHARD, SHARD_OPTIM and
+   ``fully_shard``; torch DCP with the state-dict API for ``fully_shard``): 3 steps at 2 ranks,
+   save; load at 4 ranks, 3 steps, save; load at 3 ranks (uneven shards), 3 steps. The 2- and
+   4-rank legs train under ``fsdp_lite.Canonical``, so after them the parameters and optimizer
+   state are bitwise an uninterrupted canonical run's (at 2 ranks). Canonical needs a power-of-two
+   world size, so the 3-rank leg trains in the default mode: what it loads is bitwise the
+   uninterrupted run's state, and each of its steps is bitwise torch's Muon and AdamW on whole
+   copies started from that state and fed the model's own averaged gradients.
 """
 
 from __future__ import annotations
