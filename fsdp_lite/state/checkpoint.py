@@ -35,7 +35,7 @@ import resource
 import shutil
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +79,23 @@ def _is_rank0(group: dist.ProcessGroup | None) -> bool:
     return group is None or dist.get_rank(group) == 0
 
 
-def checkpoint_state(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, Any]:
+# One optimizer, or several over disjoint parameters (Muon for the matrices, AdamW for the rest).
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+def _optimizers(optim: Optimizers) -> list[torch.optim.Optimizer]:
+    if optim is None:
+        return []
+    return [optim] if isinstance(optim, torch.optim.Optimizer) else list(optim)
+
+
+def checkpoint_state(model: nn.Module, optim: Optimizers) -> dict[str, Any]:
     """``{"model": sharded model state dict, "optim": name-keyed sharded optimizer state}``.
 
     The tensors are the live shards (no copies), which is what dcp.load fills in place.
     A model without wrappers gives plain tensors, so one process can load a sharded save.
+    Several optimizers share one ``"optim"``: their states by name side by side, their groups
+    one after another (as ``torch.distributed.checkpoint.state_dict`` merges a list of them).
     """
     config = ShardedStateDictConfig(offload_to_cpu=False, _use_dtensor=True)
     optim_config = ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True)
@@ -97,12 +109,17 @@ def checkpoint_state(model: nn.Module, optim: torch.optim.Optimizer | None) -> d
     )
     with context:
         state: dict[str, Any] = {"model": model.state_dict()}
-    if optim is not None:
-        state["optim"] = optim_state.named_optim_state_dict(model, optim, full=False)
+    optims = _optimizers(optim)
+    if optims:
+        named = [optim_state.named_optim_state_dict(model, o, full=False) for o in optims]
+        state["optim"] = {
+            "state": {name: entry for one in named for name, entry in one["state"].items()},
+            "param_groups": [group for one in named for group in one["param_groups"]],
+        }
     return state
 
 
-def save(model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
+def save(model: nn.Module, optim: Optimizers, path: str | os.PathLike) -> None:
     """Save ``model`` (and ``optim``) into the directory ``path``, replacing only a previous
     fsdp_lite checkpoint there, and only once the new one is complete.
 
@@ -111,7 +128,8 @@ def save(model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.P
 
     Args:
         model: the root module (wrapped or not).
-        optim: its optimizer, or None to save the model alone.
+        optim: its optimizer, a list of optimizers over disjoint parameters (``fsdp_lite.Muon``
+            for the matrices and AdamW for the rest), or None to save the model alone.
         path: a directory (made if missing) on a filesystem every rank shares.
 
     Raises:
@@ -370,7 +388,7 @@ def _agree(group: dist.ProcessGroup | None, error: str | None, value: Any = None
 
 def load(
     model: nn.Module,
-    optim: torch.optim.Optimizer | None,
+    optim: Optimizers,
     path: str | os.PathLike,
     strict: bool = True,
     allow_code_execution: bool = False,
@@ -384,7 +402,8 @@ def load(
 
     Args:
         model: the root module, built as when saving (wrapped or not, any world size).
-        optim: its optimizer (state is created if it has none yet), or None for the model alone.
+        optim: its optimizer, or the list saved (state is created if it has none yet; Muon's
+            momentum too), or None for the model alone.
         path: the checkpoint directory.
         strict: also fail on model keys that the checkpoint has and the model lacks.
         allow_code_execution: read the metadata and non-tensor items with plain pickle, as
@@ -400,8 +419,8 @@ def load(
     """
     path = Path(path)
     group = _group(model)
-    if optim is not None:
-        _init_optim_state(optim)
+    for o in _optimizers(optim):
+        _init_optim_state(o)
     state = checkpoint_state(model, optim)
     # Held while reading, so that a save finishing meanwhile keeps the files this load reads.
     readers = files.wait_for_shared_lock(path / files.READERS_LOCK) if path.is_dir() else None
@@ -436,8 +455,8 @@ def load(
     # dcp.load wrote into the live shards already; loading again goes through the checks and
     # puts each tensor where the model and optimizer keep it.
     model.load_state_dict(state["model"], strict=strict)
-    if optim is not None:
-        optim.load_state_dict(optim_state.named_to_loadable(model, optim, state["optim"]))
+    for o in _optimizers(optim):  # each takes the names of its own parameters and groups
+        o.load_state_dict(optim_state.named_to_loadable(model, o, state["optim"]))
 
 
 def _open(
