@@ -159,7 +159,7 @@ TABLE: list[Rule] = [
         "fp32",
         "ddp",
         "adamw, clip_grad_norm",
-        {"params": Tolerance(rtol=2e-3), "state_dict": Tolerance(rtol=2e-3)},
+        {"params": Tolerance(rtol=3e-4), "state_dict": Tolerance(rtol=2e-3)},
         "the clip coefficient's ulps (the clip_grad_norm row) reach AdamW, whose first steps "
         "are about lr * sign(g): a few ulps in a near-zero gradient entry move its step by up to "
         "2 lr (measured 3.5e-5 params, 1.6e-4 state_dict, fsdp_lite and torch FSDP2 alike); "
@@ -169,11 +169,10 @@ TABLE: list[Rule] = [
         "fp32",
         "ddp",
         "muon, clip_grad_norm",
-        {"params": Tolerance(rtol=3e-3), "state_dict": Tolerance(rtol=3e-3)},
-        "the clip coefficient's ulps reach Muon's update, which Newton-Schulz takes in bf16: an "
-        "ulp can flip a bf16 rounding (measured 8.6e-4 state_dict, fsdp_lite NO_SHARD; 2.8e-7 "
-        "FULL_SHARD); 3x, since bf16 (torch FSDP2 + torch.optim.Muon: 1.1e-2); without clipping "
-        "Muon is bitwise DDP at 2 ranks",
+        {"state_dict": Tolerance(rtol=5e-3)},
+        "as AdamW's row, in the fresh AdamW's first step after the reload (the parameters "
+        "outside Muon: measured 1.7e-3 on a LayerNorm bias, fsdp_lite); Muon's own matrices stay "
+        "within the clip_grad_norm row (7.3e-8). torch FSDP2 + torch.optim.Muon: 4.7e-3 params",
     ),
     # ---- against one process on the global batch: never the same arithmetic ----
     Rule(
@@ -231,22 +230,25 @@ TABLE: list[Rule] = [
         "single",
         "muon",
         {
-            "grads": Tolerance(rtol=3e-3),
-            "optim_state": Tolerance(rtol=3e-3),
+            "loss": Tolerance(rtol=1e-5),
+            "grads": Tolerance(rtol=5e-3),
+            "optim_state": Tolerance(rtol=5e-3),
             "params": Tolerance(rtol=0.1),
-            "state_dict": Tolerance(rtol=0.3),
+            "state_dict": Tolerance(rtol=1.0),
         },
         "Newton-Schulz runs in bf16: an ulp in the gradient flips bf16 roundings of the whole "
-        "update, and later steps' gradients follow (measured 2.6e-4 grads, 2.0e-4 optim_state, "
-        "9.9e-3 params, 8.7e-2 state_dict); 3x, since bf16",
+        "update, and later steps' gradients follow (measured 1.5e-6 loss, 1.2e-3 grads, 1.1e-3 optim_state, "
+        "8.1e-3 params); the fresh AdamW step after the reload moves a near-zero-gradient entry "
+        "of a sign flipped by that by 2 lr: 0.020 on a LayerNorm bias whose largest entry is "
+        "0.038 (state_dict 0.53). The single process catches only gross errors in that stage",
     ),
     Rule(
         "bf16",
         "single",
         "muon",
-        {"params": Tolerance(rtol=0.5), "state_dict": Tolerance(rtol=1.6)},
-        "as fp32 on bf16 compute (measured 0.16 params, 0.54 state_dict): the single process "
-        "catches only gross errors here; loss, grads and optimizer state keep the bf16 row",
+        {"params": Tolerance(rtol=0.5), "state_dict": Tolerance(rtol=1.0)},
+        "as fp32 on bf16 compute (measured 0.15 params, 0.53 state_dict); loss, grads and "
+        "optimizer state keep the bf16 row",
     ),
 ]
 

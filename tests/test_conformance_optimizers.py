@@ -116,8 +116,8 @@ def test_torch_fsdp2_with_torch_muon_fails_with_its_measured_distance(results):
     result = results[case.name]
     assert result.status == "failed" and result.traceback is None, result.reason
     params = result.stages["params"]["ddp"]
-    # Each shard orthogonalized apart: measured 1.4e-2 max abs (6.4e-3 of the scale) after 3 steps
-    assert not params.passed and params.max_abs > 1e-3, params.max_abs
+    # Measured 1.3e-3 max abs, 5.9e-3 of the tensor's scale, over 3 steps (bitwise unsharded)
+    assert not params.passed and params.max_rel > 1e-3, params.max_rel
     assert result.first_failure() == (1, "params")  # the first step already
     summary = format_summary([result])
     worst = max(per["ddp"].max_abs for per in result.stages.values() if per["ddp"].compared)
