@@ -66,7 +66,7 @@ class WrapRequest:
             (DeepSpeed's offload_optimizer).
         scratch_dir: a directory for this case, the same path on every rank, removed when the
             case ends: offload files and checkpoints go here.
-        make_optimizer: the suite's optimizer factory, ``make_optimizer(params)``, for an
+        make_optimizer: the suite's optimizer factory, ``make_optimizer(params, muon=None)``, for an
             implementation that must own the optimizer when it wraps (DeepSpeed).
     """
 
