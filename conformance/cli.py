@@ -50,6 +50,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="a small subset (CI smoke test)")
     parser.add_argument(
+        "--optimizers",
+        default="sgd",
+        metavar="NAME,...",
+        help="optimizers to train with: sgd (the default matrix), adamw, muon (each a smaller "
+        "matrix of its own; muon: Muon on the 2-D non-embedding weights, AdamW on the rest); "
+        "e.g. sgd,adamw,muon. Case names of the others end in /adamw, /muon",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         default=[],
@@ -139,6 +147,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.impl = args.impl or ["fsdp_lite"]
     if args.nproc < 1 or args.steps < 1:
         parser.error("--nproc and --steps must be at least 1")
+    from conformance.matrix import OPTIMIZERS
+
+    args.optimizers = [o for o in args.optimizers.split(",") if o]
+    unknown = [o for o in args.optimizers if o not in OPTIMIZERS]
+    if unknown or not args.optimizers:
+        parser.error(f"--optimizers takes some of {','.join(OPTIMIZERS)}, not {unknown or '-'}")
     if args.shard is not None:
         from conformance.matrix import parse_shard
 
@@ -170,6 +184,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                 ("--case", bool(args.case)),
                 ("--quick", args.quick),
                 ("--junit", args.junit is not None),
+                ("--optimizers", args.optimizers != ["sgd"]),
             )
             if given
         ]
@@ -291,7 +306,13 @@ def _cases(args: argparse.Namespace, world_size: int):
     known = {name: a.strategies() for name, a in adapters.items()}
     features = {name: a.features() for name, a in adapters.items()}
     cases, notes = build_matrix(
-        list(adapters), known, world_size, quick=args.quick, known_features=features, model=model
+        list(adapters),
+        known,
+        world_size,
+        quick=args.quick,
+        known_features=features,
+        model=model,
+        optimizers=args.optimizers,
     )
     cases = select(cases, args.only)
     if args.case:
@@ -377,6 +398,7 @@ def run_rank(args: argparse.Namespace) -> int:
                 "device": device.type,
                 "steps": args.steps,
                 "quick": args.quick,
+                "optimizers": args.optimizers,
                 "only": args.only,
                 "case": args.case,
                 "shard": args.shard,

@@ -21,6 +21,7 @@ __all__ = [
     "EXTRA_FEATURES",
     "EXTRA_STRATEGIES",
     "FEATURES",
+    "OPTIMIZERS",
     "PRECISIONS",
     "Case",
     "Feature",
@@ -34,6 +35,9 @@ __all__ = [
 CORE_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 # Run only for implementations whose ShardingStrategy has the member (see Adapter.strategies).
 EXTRA_STRATEGIES = ("HYBRID_SHARD", "SHARD_OPTIM")
+# The optimizer axis (``--optimizers``): "sgd" is every matrix's; the others run OPTIMIZER_MATRIX.
+# training.make_optimizer says what each builds.
+OPTIMIZERS = ("sgd", "adamw", "muon")
 
 
 @dataclass(frozen=True, order=True)
@@ -46,19 +50,23 @@ class Case:
     feature: str
     model: str
     world_size: int
+    optimizer: str = "sgd"  # one of OPTIMIZERS
 
     @property
     def name(self) -> str:
-        return "/".join(
-            [
-                self.impl,
-                self.strategy,
-                self.precision,
-                self.feature,
-                self.model,
-                f"ws{self.world_size}",
-            ]
-        )
+        """``impl/strategy/precision/feature/model/wsN``, then ``/optimizer`` unless it is sgd
+        (so the SGD cases keep the names baselines and reports know them by)."""
+        parts = [
+            self.impl,
+            self.strategy,
+            self.precision,
+            self.feature,
+            self.model,
+            f"ws{self.world_size}",
+        ]
+        if self.optimizer != "sgd":
+            parts.append(self.optimizer)
+        return "/".join(parts)
 
 
 @dataclass(frozen=True)
@@ -333,6 +341,20 @@ MODEL_MATRIX = (
     Slice(CORE_STRATEGIES, ("fp32",), _ANY_MODEL_FEATURES, ("*",)),
     Slice(EXTRA_STRATEGIES, ("fp32", "bf16"), ("plain", "no_sync", "clip_grad_norm"), ("*",)),
 )
+# The optimizers other than SGD (``--optimizers``), a matrix of their own so that the default
+# one does not grow: the loop features that change what the optimizer sees (no_sync's summed
+# gradients, a clipped norm), mixed precision's fp32 master step, and a model without embeddings.
+OPTIMIZER_MATRIX = (
+    Slice(CORE_STRATEGIES, ("fp32",), ("plain", "no_sync", "clip_grad_norm"), ("lm_untied",)),
+    Slice(CORE_STRATEGIES, ("bf16",), ("plain",), ("lm_untied",)),
+    Slice(EXTRA_STRATEGIES, ("fp32",), ("plain",), ("lm_untied",)),
+    Slice(("FULL_SHARD",), ("fp32",), ("plain",), ("mlp",)),
+    Slice(("FULL_SHARD",), ("fp32",), ("tied_weights",), ("lm",)),
+)
+OPTIMIZER_QUICK_MATRIX = (
+    Slice(("FULL_SHARD",), ("fp32",), ("plain", "no_sync"), ("lm_untied",)),
+    Slice(("SHARD_GRAD_OP",), ("fp32",), ("plain",), ("lm_untied",)),
+)
 MODEL_QUICK_MATRIX = (
     Slice(CORE_STRATEGIES, ("fp32",), ("plain", "no_sync", "clip_grad_norm"), ("*",)),
     Slice(("FULL_SHARD",), ("bf16",), ("plain",), ("*",)),
@@ -346,6 +368,7 @@ def build_matrix(
     quick: bool = False,
     known_features: dict[str, Iterable[str]] | None = None,
     model: str | None = None,
+    optimizers: Sequence[str] = ("sgd",),
 ) -> tuple[list[Case], list[str]]:
     """The cases to run for ``impls``, and notes on what was left out and why.
 
@@ -354,31 +377,43 @@ def build_matrix(
     implementation without it reports it unsupported). ``known_features[impl]`` likewise lists the
     EXTRA_FEATURES it has; the others run for every implementation. ``model`` (a registered
     user's model, ``--model``) replaces the zoo: ``MODEL_MATRIX`` (``MODEL_QUICK_MATRIX``) on it.
+    ``optimizers`` (``OPTIMIZERS``): "sgd" runs that matrix, each other one ``OPTIMIZER_MATRIX``
+    (``OPTIMIZER_QUICK_MATRIX``; with ``model``, the plain loop on it).
     """
     cases: list[Case] = []
     notes: list[str] = []
     seen: set[Case] = set()
-    if model is not None:
-        slices = MODEL_QUICK_MATRIX if quick else MODEL_MATRIX
-    else:
-        slices = QUICK_MATRIX if quick else DEFAULT_MATRIX
-    for impl in impls:
-        known = set(known_strategies.get(impl, ()))
-        features_known = set((known_features or {}).get(impl, ()))
-        for part in slices:
-            for strategy in part.strategies:
-                if strategy not in CORE_STRATEGIES and strategy not in known:
-                    continue
-                for precision in part.precisions:
-                    for feature in part.features:
-                        if feature in EXTRA_FEATURES and feature not in features_known:
-                            continue
-                        for name in part.models:
-                            name = model if name == "*" else name
-                            case = Case(impl, strategy, precision, feature, name, world_size)
-                            if case not in seen:
-                                seen.add(case)
-                                cases.append(case)
+    unknown = [o for o in optimizers if o not in OPTIMIZERS]
+    if unknown:
+        raise ValueError(f"unknown optimizers {unknown}: use some of {list(OPTIMIZERS)}")
+    for optimizer in optimizers:
+        if optimizer != "sgd":
+            slices = OPTIMIZER_QUICK_MATRIX if quick else OPTIMIZER_MATRIX
+            if model is not None:
+                slices = (Slice(CORE_STRATEGIES, ("fp32",), ("plain",), ("*",)),)
+        elif model is not None:
+            slices = MODEL_QUICK_MATRIX if quick else MODEL_MATRIX
+        else:
+            slices = QUICK_MATRIX if quick else DEFAULT_MATRIX
+        for impl in impls:
+            known = set(known_strategies.get(impl, ()))
+            features_known = set((known_features or {}).get(impl, ()))
+            for part in slices:
+                for strategy in part.strategies:
+                    if strategy not in CORE_STRATEGIES and strategy not in known:
+                        continue
+                    for precision in part.precisions:
+                        for feature in part.features:
+                            if feature in EXTRA_FEATURES and feature not in features_known:
+                                continue
+                            for name in part.models:
+                                name = model if name == "*" else name
+                                case = Case(
+                                    impl, strategy, precision, feature, name, world_size, optimizer
+                                )
+                                if case not in seen:
+                                    seen.add(case)
+                                    cases.append(case)
     for name in sorted({c.model for c in cases}):
         reason = SPECS[name].unavailable()
         if reason:

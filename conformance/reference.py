@@ -97,7 +97,7 @@ def run_reference(
     ddp_group = group if kind == "ddp" else None
     model = prepare_model(model_spec, feature, 0, device, for_impl=False)
     trainer = ReplicaTrainer(
-        model, model_spec, precision, device, ddp_group, unsynced_in_reduce_dtype
+        model, model_spec, precision, device, ddp_group, unsynced_in_reduce_dtype, case.optimizer
     )
     run = ReferenceRun()
     for step in range(steps):
@@ -111,7 +111,7 @@ def run_reference(
     fresh = prepare_model(model_spec, feature, FRESH_SEED, device, for_impl=False)
     fresh.load_state_dict(run.state_dict)
     trainer = ReplicaTrainer(
-        fresh, model_spec, precision, device, ddp_group, unsynced_in_reduce_dtype
+        fresh, model_spec, precision, device, ddp_group, unsynced_in_reduce_dtype, case.optimizer
     )
     train_step(
         trainer,
@@ -143,6 +143,7 @@ class ReferenceCache:
             case.world_size,
             steps,
             in_reduce_dtype,
+            case.optimizer,
         )
 
     def get(
@@ -159,9 +160,10 @@ class ReferenceCache:
         the reduce dtype (``Adapter.unsynced_grads_in_reduce_dtype``); the references do too.
         """
         key = self.key(case, steps, unsynced_in_reduce_dtype)
+        in_reduce_dtype = key[-2]
         if key not in self._runs:
             self._runs[key] = {
-                kind: run_reference(kind, case, steps, device, group, key[-1])
+                kind: run_reference(kind, case, steps, device, group, in_reduce_dtype)
                 for kind in REFERENCES
             }
         return self._runs[key]

@@ -53,7 +53,7 @@ from conformance.reference import (
     prepare_model,
 )
 from conformance.tolerances import STAGES, tolerance
-from conformance.training import ImplTrainer, make_sgd, train_step
+from conformance.training import ImplTrainer, OptimizerFactory, matrix_names, train_step
 from conformance.zoo import spec
 
 __all__ = ["CaseResult", "RunContext", "run_cases"]
@@ -234,7 +234,9 @@ class _CaseRun:
             disk_offload=self.feature.disk_offload,
             optimizer_offload=self.feature.optimizer_offload,
             scratch_dir=self.scratch_dir,
-            make_optimizer=functools.partial(make_sgd, foreach=self.feature.foreach_optimizer),
+            make_optimizer=OptimizerFactory(
+                self.case.optimizer, self.feature.foreach_optimizer, matrix_names(model)
+            ),
         )
 
     def _build(self, seed: int) -> ImplTrainer:
@@ -510,6 +512,8 @@ def run_cases(
         start = time.perf_counter()
         adapter = by_name[case.impl]
         reason = adapter.unsupported_reason(case)  # no collectives: every rank decides alike
+        if reason is None and case.optimizer not in adapter.optimizers():
+            reason = f"{adapter.name} is not trained with {case.optimizer} (Adapter.optimizers)"
         if reason is not None:
             result = CaseResult(case, "unsupported", reason=reason)
         else:

@@ -36,6 +36,15 @@ WHEN: dict[str, Callable] = {
     "world_size > 2": lambda case: case.world_size > 2,
     "clip_grad_norm": lambda case: case.feature.startswith("clip_grad_norm"),
     "accumulate": lambda case: case.feature == "accumulate",
+    # The optimizer axis (--optimizers); SGD, every matrix's, has no rows of its own.
+    "adamw": lambda case: getattr(case, "optimizer", "sgd") == "adamw",
+    "muon": lambda case: getattr(case, "optimizer", "sgd") == "muon",
+    "adamw, clip_grad_norm": lambda case: (
+        getattr(case, "optimizer", "sgd") == "adamw" and case.feature.startswith("clip_grad_norm")
+    ),
+    "muon, clip_grad_norm": lambda case: (
+        getattr(case, "optimizer", "sgd") == "muon" and case.feature.startswith("clip_grad_norm")
+    ),
 }
 
 
@@ -145,6 +154,26 @@ TABLE: list[Rule] = [
         "as bf16: the bf16 forward and backward round the same differences",
     ),
     Rule("bf16r32", "ddp", "clip_grad_norm", _rel(5e-6), "as bf16"),
+    # ---- the optimizer axis against DDP: only the clipped norm's ulps, amplified ----
+    Rule(
+        "fp32",
+        "ddp",
+        "adamw, clip_grad_norm",
+        {"params": Tolerance(rtol=3e-4), "state_dict": Tolerance(rtol=2e-3)},
+        "the clip coefficient's ulps (the clip_grad_norm row) reach AdamW, whose first steps "
+        "are about lr * sign(g): a few ulps in a near-zero gradient entry move its step by up to "
+        "2 lr (measured 3.5e-5 params, 1.6e-4 state_dict, fsdp_lite and torch FSDP2 alike); "
+        "without clipping AdamW is bitwise DDP at 2 ranks",
+    ),
+    Rule(
+        "fp32",
+        "ddp",
+        "muon, clip_grad_norm",
+        {"state_dict": Tolerance(rtol=5e-3)},
+        "as AdamW's row, in the fresh AdamW's first step after the reload (the parameters "
+        "outside Muon: measured 1.7e-3 on a LayerNorm bias, fsdp_lite); Muon's own matrices stay "
+        "within the clip_grad_norm row (7.3e-8). torch FSDP2 + torch.optim.Muon: 4.7e-3 params",
+    ),
     # ---- against one process on the global batch: never the same arithmetic ----
     Rule(
         "fp32",
@@ -176,6 +205,50 @@ TABLE: list[Rule] = [
         "always",
         _rel(5e-2, loss=1e-3),
         "as bf16 with fp16's 11-bit mantissa (measured 7.3e-3, loss 8.9e-5)",
+    ),
+    # The optimizer axis: AdamW and Muon normalize their updates, so the single process's
+    # last-bit differences in the gradients (the rows above) grow into the parameters. Only
+    # the stages named widen; the DDP comparison (exact at 2 ranks) is the sharp one.
+    Rule(
+        "fp32",
+        "single",
+        "adamw",
+        {"params": Tolerance(rtol=0.1), "state_dict": Tolerance(rtol=0.1)},
+        "AdamW's first steps are about lr * sign(g): an ulp in a near-zero gradient entry can "
+        "move its step by up to 2 lr (measured 1.0e-2 params, 1.6e-2 state_dict)",
+    ),
+    Rule(
+        "bf16",
+        "single",
+        "adamw",
+        {"params": Tolerance(rtol=0.5), "state_dict": Tolerance(rtol=0.8)},
+        "as fp32 on bf16's larger differences (measured 0.14 params, 0.25 state_dict): catches "
+        "a step on the wrong parameters, not a rounding",
+    ),
+    Rule(
+        "fp32",
+        "single",
+        "muon",
+        {
+            "loss": Tolerance(rtol=1e-5),
+            "grads": Tolerance(rtol=5e-3),
+            "optim_state": Tolerance(rtol=5e-3),
+            "params": Tolerance(rtol=0.1),
+            "state_dict": Tolerance(rtol=1.0),
+        },
+        "Newton-Schulz runs in bf16: an ulp in the gradient flips bf16 roundings of the whole "
+        "update, and later steps' gradients follow (measured 1.5e-6 loss, 1.2e-3 grads, 1.1e-3 optim_state, "
+        "8.1e-3 params); the fresh AdamW step after the reload moves a near-zero-gradient entry "
+        "of a sign flipped by that by 2 lr: 0.020 on a LayerNorm bias whose largest entry is "
+        "0.038 (state_dict 0.53). The single process catches only gross errors in that stage",
+    ),
+    Rule(
+        "bf16",
+        "single",
+        "muon",
+        {"params": Tolerance(rtol=0.5), "state_dict": Tolerance(rtol=1.0)},
+        "as fp32 on bf16 compute (measured 0.15 params, 0.53 state_dict); loss, grads and "
+        "optimizer state keep the bf16 row",
     ),
 ]
 

@@ -20,18 +20,23 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from conformance.adapters.base import Adapter, WrapRequest, full_tensor
+from conformance.adapters.base import Adapter, Unsupported, WrapRequest, clean_name, full_tensor
 from conformance.matrix import Feature, Precision
 from conformance.zoo import ModelSpec
 
 __all__ = [
+    "ADAMW",
     "GRAD_NORM_KEY",
     "LR",
     "MOMENTUM",
+    "MUON",
     "ImplTrainer",
+    "MatricesAndRest",
+    "OptimizerFactory",
     "ReplicaTrainer",
     "Trainer",
     "make_sgd",
+    "matrix_names",
     "train_step",
 ]
 
@@ -59,6 +64,85 @@ def make_sgd(params, foreach: bool = False) -> torch.optim.Optimizer:
     # foreach=False: the same per-tensor kernels whatever the parameter type (DTensor or not).
     # The multi-tensor kernels (feature foreach_optimizer) give the same bits on plain tensors.
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, foreach=foreach)
+
+
+# The other optimizers of the axis (--optimizers). AdamW's update is elementwise, as SGD's; Muon
+# (torch.optim.Muon's arguments, as tests/test_muon.py) orthogonalizes each whole matrix.
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+MUON = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw", "nesterov": True}
+
+
+def matrix_names(model: nn.Module) -> frozenset[str]:
+    """The parameters Muon takes: the 2-D ``weight`` of every module but an ``nn.Embedding`` (so
+    neither a token embedding, nor an output head tied to it, nor a bare 2-D parameter such as a
+    position table), by name as in the unwrapped module. An untied output head is a matrix here."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return frozenset(
+        clean_name(n)
+        for n, p in model.named_parameters()
+        if p.ndim == 2 and n.rsplit(".", 1)[-1] == "weight" and id(p) not in embeddings
+    )
+
+
+class MatricesAndRest:
+    """Muon on the matrices and AdamW on the rest, stepped as one optimizer: ``param_groups``,
+    ``state``, ``step`` and ``zero_grad`` as torch's (what a gradient scaler and the suite use);
+    ``optimizers`` the two (or one, when a side has no parameters)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = list(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+class OptimizerFactory:
+    """The suite's optimizer for one case: ``factory(params, muon=...)`` (what
+    ``WrapRequest.make_optimizer`` and ``Adapter.make_optimizer`` call).
+
+    ``params`` are parameters, or (name, parameter) pairs, which "muon" needs: the parameters
+    named in ``matrices`` (``matrix_names`` of the unwrapped model) go to ``muon`` (the class:
+    torch.optim.Muon unless the adapter passes its own), the others to AdamW.
+    """
+
+    def __init__(
+        self, optimizer: str = "sgd", foreach: bool = False, matrices: frozenset[str] = frozenset()
+    ) -> None:
+        self.optimizer, self.foreach, self.matrices = optimizer, foreach, matrices
+
+    def __call__(self, params, muon: type | None = None):
+        params = list(params)
+        named = [p for p in params if isinstance(p, tuple)]
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        if self.optimizer == "sgd":
+            return make_sgd(tensors, foreach=self.foreach)
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(tensors, **ADAMW, foreach=self.foreach)
+        if len(named) != len(params):
+            raise Unsupported("muon splits the parameters by name: pass model.named_parameters()")
+        matrices = [p for n, p in named if clean_name(n) in self.matrices]
+        rest = [p for n, p in named if clean_name(n) not in self.matrices]
+        optimizers = []
+        if matrices:
+            optimizers.append((muon or torch.optim.Muon)(matrices, **MUON))
+        if rest:
+            optimizers.append(torch.optim.AdamW(rest, **ADAMW, foreach=self.foreach))
+        return MatricesAndRest(*optimizers)
 
 
 class Trainer:
@@ -211,8 +295,13 @@ class ImplTrainer(Trainer):
 
     def optim_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The implementation's own optimizer state dict, flat ("(optimizer) name:key"), or None."""
-        osd = self.adapter.full_optim_state_dict(self.model, self.optim)
-        return None if osd is None else _optimizer_entries(osd)
+        merged: dict[str, dict[str, torch.Tensor]] = {}
+        for optim in getattr(self.optim, "optimizers", [self.optim]):  # MatricesAndRest: each
+            osd = self.adapter.full_optim_state_dict(self.model, optim)
+            if osd is None:
+                return None
+            merged.update(osd)
+        return _optimizer_entries(merged)
 
 
 class ReplicaTrainer(Trainer):
@@ -236,6 +325,7 @@ class ReplicaTrainer(Trainer):
         device: torch.device,
         group: dist.ProcessGroup | None,
         unsynced_in_reduce_dtype: bool = False,
+        optimizer: str = "sgd",
     ) -> None:
         self.spec, self.device, self.dtype = spec, device, precision.dtype
         self.master = model
@@ -254,7 +344,8 @@ class ReplicaTrainer(Trainer):
                 find_unused_parameters=spec.has_unused_params,
                 **_RANK_LOCAL_BUFFERS,
             )
-        self.optim = make_sgd(self.master.parameters())
+        make = OptimizerFactory(optimizer, matrices=matrix_names(self.master))
+        self.optim = make(self.master.named_parameters())
         self._local_backward = False  # inside no_sync(): gradients stay local
         # parameter index -> the unsynced backwards' sum in the reduce dtype (FSDP2's way)
         self._unsynced: dict[int, torch.Tensor] | None = (

@@ -99,7 +99,19 @@ class SystemSpec:
     # fsdp_lite.Canonical with V = N (one micro-batch per rank, as the others): the
     # world-size-invariant reduction, to measure what it costs beside the default mode
     canonical: bool = False
+    # "adamw" (AdamW on every parameter) or "muon": Muon on the 2-D weights but the embeddings
+    # (fsdp_lite.Muon for fsdp_lite, torch.optim.Muon for torch), AdamW on the rest, as the
+    # conformance suite's muon axis (conformance/training.py)
+    optimizer: str = "adamw"
 
+
+# Muon beside AdamW (docs/muon.md, "Cost beside AdamW and torch FSDP2"): fsdp_lite.Muon on both
+# fronts, torch.optim.Muon on torch FSDP2's shards (runs, but is not Muon's math: docs/muon.md).
+MUON_SYSTEMS = (
+    SystemSpec("fsdp_lite/FULL_SHARD/muon", "lite", "FULL_SHARD", (2, 1, 0), optimizer="muon"),
+    SystemSpec(f"{LITE_FSDP2}/muon", "lite_fsdp2", theory=(2, 1, 0), optimizer="muon"),
+    SystemSpec(f"{REFERENCE}/muon", "fsdp2", theory=(2, 1, 0), optimizer="muon"),
+)
 
 # DeepSpeed ZeRO stages, when deepspeed is installed (the "deepspeed" extra). ZeRO-1 and -2
 # reduce-scatter gradients and all-gather the stepped params (2 psi, arXiv 1910.02054); ZeRO-3
@@ -133,6 +145,7 @@ def all_systems(world_size: int, baseline: bool = False) -> tuple[list[SystemSpe
         SystemSpec(NO_ORDER_CHECK, "lite", "FULL_SHARD", (2, 1, 0), order_check=False),
         SystemSpec("fsdp_lite/SHARD_GRAD_OP", "lite", "SHARD_GRAD_OP", (1, 1, 0)),
         SystemSpec("fsdp_lite/NO_SHARD", "lite", "NO_SHARD", (0, 0, 1)),
+        *MUON_SYSTEMS,
     ]
     if world_size & (world_size - 1) == 0:  # Canonical's V = N must be a power of two
         specs += [
@@ -163,6 +176,7 @@ def all_systems(world_size: int, baseline: bool = False) -> tuple[list[SystemSpe
             and not s.backend_collectives
             and s.order_check
             and not s.canonical
+            and s.optimizer == "adamw"
         ]
     if importlib.util.find_spec("deepspeed") is not None:
         specs += DEEPSPEED_SYSTEMS
@@ -191,6 +205,11 @@ class System:
     autocast: bool  # bf16 by torch.autocast (single, DDP) rather than by sharded mixed precision
     # deepspeed: the torch.nn.functional.linear its engine runs with (see deepspeed_linear)
     ds_linear: object = None
+    # Muon systems: the Muon inside ``optim`` (a MatricesAndRest of Muon and AdamW)
+    muon: torch.optim.Optimizer | None = None
+    optim_seconds: list = dataclasses.field(default_factory=list)  # each optimizer step's time
+    # Set to {} to count the c10d collectives of the next optimizer steps (CommDebugMode) into it
+    optim_collectives: dict | None = None
 
 
 def build_model(cfg: GPTConfig, seed: int) -> TinyLM:
@@ -266,8 +285,28 @@ def build_system(
         importlib.import_module(spec.package).Canonical(
             model, virtual_batches=dist.get_world_size()
         )
+    if spec.optimizer == "muon":
+        return muon_system(spec, model, lr, autocast)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     return System(spec, model, optim, autocast)
+
+
+def muon_system(spec: SystemSpec, model: nn.Module, lr: float, autocast: bool) -> System:
+    """Muon on the 2-D weights but the embeddings (lr 0.02, match_rms_adamw, as
+    scripts/bench_muon.py), AdamW (``lr``) on the rest, stepped as one optimizer."""
+    from conformance.adapters.base import clean_name
+    from conformance.training import MatricesAndRest, matrix_names
+
+    if spec.kind == "fsdp2":
+        muon_cls = torch.optim.Muon
+    else:
+        muon_cls = importlib.import_module(spec.package).Muon
+    names = matrix_names(model)
+    named = [(clean_name(n), p) for n, p in model.named_parameters()]
+    matrices = [p for n, p in named if n in names]
+    muon = muon_cls(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw")
+    rest = torch.optim.AdamW([p for n, p in named if n not in names], lr=lr)
+    return System(spec, model, MatricesAndRest(muon, rest), autocast, muon=muon)
 
 
 def build_deepspeed_system(
@@ -347,7 +386,17 @@ def train_step(system: System, inputs: torch.Tensor, targets: torch.Tensor) -> f
         logits = system.model(inputs)  # (batch, seq_len, vocab_size)
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     loss.backward()
-    system.optim.step()
+    if system.optim_collectives is None:
+        start = time.perf_counter()
+        system.optim.step()
+        system.optim_seconds.append(time.perf_counter() - start)
+    else:
+        from scripts.bench_muon import counted_step
+
+        seconds, counts = counted_step(system.optim)
+        system.optim_seconds.append(seconds)
+        for op, n in counts.items():
+            system.optim_collectives[op] = system.optim_collectives.get(op, 0) + n
     return loss.item()
 
 
@@ -464,7 +513,7 @@ def tracked_peak_nbytes(system: System, batches: list) -> dict[str, int]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
-    tracker.track_external(system.model, system.optim)
+    tracker.track_external(system.model, *getattr(system.optim, "optimizers", [system.optim]))
     with tracker:
         for i, (inputs, targets) in enumerate(batches):
             if i == len(batches) - 1:
@@ -484,7 +533,7 @@ def run_system(spec: SystemSpec, precision: str, args, cfg: GPTConfig, measure: 
     """Train one system from the seed for warm-up + timed steps on this rank; return what it saw."""
     rank = dist.get_rank()
     system = build_system(spec, precision, cfg, args.seed)
-    seconds, losses = [], []
+    seconds, losses, optim_seconds = [], [], []
     timed = math.ceil(args.steps / args.rounds)
     for step in range(args.warmup + timed):
         inputs, targets = make_batch(cfg, args.batch, args.seed, step, rank)
@@ -493,7 +542,8 @@ def run_system(spec: SystemSpec, precision: str, args, cfg: GPTConfig, measure: 
         if step >= args.warmup:
             seconds.append(time.perf_counter() - start)
             losses.append(loss)
-    out = {"seconds": seconds, "losses": losses}
+            optim_seconds.append(system.optim_seconds[-1] if system.optim_seconds else 0.0)
+    out = {"seconds": seconds, "losses": losses, "optim_seconds": optim_seconds}
     if measure:
         out.update(measure_system(system, args, cfg, args.warmup + timed))
     del system
@@ -506,7 +556,7 @@ def run_interleaved(names: list[str], specs: dict, precision: str, args, cfg: GP
     load falls on every system alike; a barrier lines the ranks up before each timed step."""
     rank = dist.get_rank()
     systems = [build_system(specs[name], precision, cfg, args.seed) for name in names]
-    outs = {name: {"seconds": [], "losses": []} for name in names}
+    outs = {name: {"seconds": [], "losses": [], "optim_seconds": []} for name in names}
     for step in range(args.warmup + args.steps):
         inputs, targets = make_batch(cfg, args.batch, args.seed, step, rank)
         turn = step % len(systems)  # who goes first rotates, so no system always follows another
@@ -517,6 +567,8 @@ def run_interleaved(names: list[str], specs: dict, precision: str, args, cfg: GP
             if step >= args.warmup:
                 outs[name]["seconds"].append(time.perf_counter() - start)
                 outs[name]["losses"].append(loss)
+                last = system.optim_seconds[-1] if system.optim_seconds else 0.0
+                outs[name]["optim_seconds"].append(last)  # 0: DeepSpeed steps inside its engine
         if rank == 0:
             label = "warm-up" if step < args.warmup else "timed"
             say(f"  {precision} step {step + 1}/{args.warmup + args.steps} ({label}) done")
@@ -538,11 +590,18 @@ def measure_system(system: System, args, cfg: GPTConfig, next_step: int) -> dict
     if spec.kind in ("lite", "lite_fsdp2"):
         from fsdp_lite.trace import record_collectives
 
-        trace = record_collectives(system.model)
+        trace = record_collectives(system.model, system.muon)  # Muon: its exchanges too
+    system.optim_collectives = {}
     with trace as records, counter:
         train_step(system, *batch)
+    out["optim_collectives"], system.optim_collectives = system.optim_collectives, None
     out["sent_nbytes"] = counter.sent_nbytes
     out["collective_calls"] = counter.calls
+    if records is not None and system.muon is not None:
+        from scripts.bench_muon import exchange_row
+
+        matrices = [p for group in system.muon.param_groups for p in group["params"]]
+        out["muon_exchange"] = exchange_row(system.muon, matrices, records.records, 1, rank)
     if records is not None:
         # HYBRID_SHARD gathers and scatters in a shard group, all-reduces across replicas.
         shard_size = world_size // spec.replicas
@@ -799,7 +858,18 @@ def summarize(raw: dict, args: argparse.Namespace, cfg: GPTConfig, specs: dict) 
             "state_nbytes": [o["state_nbytes"] for o in first],
             "sent_nbytes": [o["sent_nbytes"] for o in first],
             "collective_calls": first[0]["collective_calls"],
+            "optimizer": spec.optimizer,
+            "optim_step_s": quantiles(
+                [
+                    max(ts)
+                    for everyone in rounds
+                    for ts in zip(*(o["optim_seconds"] for o in everyone))
+                ]
+            ),
+            "optim_collectives_per_step": first[0]["optim_collectives"],
         }
+        if "muon_exchange" in first[0]:
+            row["muon_exchange"] = [o["muon_exchange"] for o in first]
         if "trace_sent_nbytes" in first[0]:
             row["trace_sent_nbytes"] = [o["trace_sent_nbytes"] for o in first]
         row["sent_nbytes_total"] = max(sum(s.values()) for s in row["sent_nbytes"])
@@ -833,7 +903,8 @@ def summarize(raw: dict, args: argparse.Namespace, cfg: GPTConfig, specs: dict) 
             "warmup_per_round": args.warmup,
             "rounds": 1 if args.interleave else args.rounds,
             "interleaved": args.interleave,
-            "optimizer": "AdamW lr 1e-3",
+            "optimizer": "AdamW lr 1e-3; /muon systems: Muon lr 0.02 (match_rms_adamw) on the 2-D "
+            "weights but the embeddings, AdamW lr 1e-3 on the rest",
             "threads_per_rank": args.threads,
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -857,8 +928,13 @@ def summarize(raw: dict, args: argparse.Namespace, cfg: GPTConfig, specs: dict) 
 
 
 DEFINITIONS = {
-    "step_s": "forward + backward + AdamW step, per step the slowest rank, after warm-up; "
-    "median, quartiles over all rounds",
+    "step_s": "forward + backward + AdamW step (/muon: Muon on the 2-D weights but the "
+    "embeddings, AdamW on the rest), per step the slowest rank, after warm-up; median, quartiles "
+    "over all rounds",
+    "optim_step_s": "the optimizer step alone, timed as step_s; optim_collectives_per_step: the "
+    "c10d collectives torch's CommDebugMode sees in one optimizer step; muon_exchange: per rank, "
+    "the bytes fsdp_lite.Muon hands its all_to_all exchanges in one step (fsdp_lite's trace) "
+    "against docs/muon.md's formula 2 x (its elements of every matrix + the matrices it owns)",
     "single": "the unwrapped model on every rank at once, its per-rank batch, no communication",
     "bf16": "FSDP1 / fsdp_lite MixedPrecision(param_dtype=bf16, reduce_dtype=fp32), FSDP2 "
     "MixedPrecisionPolicy(the same); single and DDP: torch.autocast('cpu', bf16), fp32 params "
@@ -1001,6 +1077,19 @@ def format_table(report: dict) -> str:
                 ]
             )
         )
+    lines.append("")
+    lines.append("optimizer step (median s; c10d collectives in one step; Muon: bytes per rank):")
+    for r in report["results"]:
+        line = (
+            f"  {r['system']:<26} {r['precision']:<4} {r['optimizer']:<5} "
+            f"{r['optim_step_s']['median']:.3f} s  {r['optim_collectives_per_step'] or '-'}"
+        )
+        for rank, ex in enumerate(r.get("muon_exchange", [])):
+            line += (
+                f"  r{rank} {ex['bytes_handed_to_all_to_all_per_step']:,.0f} "
+                f"(formula {ex['formula_bytes']:,})"
+            )
+        lines.append(line)
     lines.append("")
     lines += [f"{k}: {v}" for k, v in report["definitions"].items()]
     for name, reason in report["left_out"].items():

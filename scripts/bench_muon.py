@@ -73,6 +73,32 @@ def build(args: argparse.Namespace, optim_name: str):
     return cfg, model, optim, matrices
 
 
+def counted_step(optim) -> tuple[float, dict[str, int]]:
+    """One ``optim.step()``: its seconds on this rank and every c10d collective it issued
+    (torch's CommDebugMode, by op name)."""
+    with CommDebugMode() as comm:
+        start = time.perf_counter()
+        optim.step()
+        elapsed = time.perf_counter() - start
+    return elapsed, {str(op): n for op, n in comm.get_comm_counts().items()}
+
+
+def exchange_row(muon, matrices: list, records: list, steps: int, rank: int) -> dict:
+    """What ``muon`` (an ``fsdp_lite.Muon`` watched by the trace that made ``records``) handed
+    its exchanges per step over ``steps`` steps, beside docs/muon.md's formula:
+    2 bytes x (this rank's elements of every matrix + every element of the matrices it owns)."""
+    exchanges = [r for r in records if r.kind == "all_to_all"]
+    mine = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in matrices)
+    owned = [p for p in matrices if muon.whole.owner(p) == rank]
+    return {
+        "exchanges_per_step": len(exchanges) / steps,
+        "bytes_handed_to_all_to_all_per_step": sum(r.nbytes for r in exchanges) / steps,
+        "formula_bytes": 2 * (mine + sum(p.numel() for p in owned)),
+        "owned_matrices": len(owned),
+        "owned_cost": sum(p.shape[0] * p.shape[1] * min(p.shape) for p in owned),
+    }
+
+
 def run(rank: int, args: argparse.Namespace, rendezvous: str, out: dict) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group(
@@ -99,38 +125,21 @@ def run(rank: int, args: argparse.Namespace, rendezvous: str, out: dict) -> None
                     logits.reshape(-1, cfg.vocab_size), idx[:, 1:].reshape(-1)
                 ).backward()
                 dist.barrier()
-                with CommDebugMode() as comm:
-                    start = time.perf_counter()
-                    optim.step()
-                    elapsed = torch.tensor(time.perf_counter() - start)
+                seconds, step_counts = counted_step(optim)
+                elapsed = torch.tensor(seconds)
                 optim.zero_grad()
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if step >= args.warmup:
                     times.append(elapsed.item() * 1e3)
-                    for op, n in comm.get_comm_counts().items():
-                        counts[str(op)] = counts.get(str(op), 0) + n
+                    for op, n in step_counts.items():
+                        counts[op] = counts.get(op, 0) + n
         row = {
             "step_ms_median": statistics.median(times),
             "step_ms_min": min(times),
             "collectives_per_step": {op: n / args.steps for op, n in counts.items()},
         }
         if watchable and hasattr(optim, "whole"):
-            exchanges = [r for r in trace.records if r.kind == "all_to_all"]
-            per_step = len(exchanges) / (args.warmup + args.steps)
-            handed = sum(r.nbytes for r in exchanges) / (args.warmup + args.steps)
-            mine = sum(p.to_local().numel() for p in matrices)
-            owned = sum(p.numel() for p in matrices if optim.whole.owner(p) == rank)
-            row |= {
-                "exchanges_per_step": per_step,
-                "bytes_handed_to_all_to_all_per_step": handed,
-                "formula_bytes": 2 * (mine + owned),
-                "owned_matrices": sum(optim.whole.owner(p) == rank for p in matrices),
-                "owned_cost": sum(
-                    p.shape[0] * p.shape[1] * min(p.shape)
-                    for p in matrices
-                    if optim.whole.owner(p) == rank
-                ),
-            }
+            row |= exchange_row(optim, matrices, trace.records, args.warmup + args.steps, rank)
         results[optim_name] = row
     out[rank] = results
     leave_together()

@@ -66,7 +66,7 @@ class WrapRequest:
             (DeepSpeed's offload_optimizer).
         scratch_dir: a directory for this case, the same path on every rank, removed when the
             case ends: offload files and checkpoints go here.
-        make_optimizer: the suite's optimizer factory, ``make_optimizer(params)``, for an
+        make_optimizer: the suite's optimizer factory, ``make_optimizer(params, muon=None)``, for an
             implementation that must own the optimizer when it wraps (DeepSpeed).
     """
 
@@ -175,11 +175,21 @@ class Adapter:
         call. Raise ``Unsupported`` (or NotImplementedError) for what the implementation lacks."""
         raise NotImplementedError(f"{type(self).__name__}.wrap")
 
+    def optimizers(self) -> list[str]:
+        """The ``matrix.OPTIMIZERS`` this implementation can be trained with (``--optimizers``);
+        a case with another one is reported unsupported."""
+        return ["sgd", "adamw", "muon"]
+
+    def muon(self) -> type:
+        """The Muon class for the matrices of a "muon" case (default ``torch.optim.Muon``)."""
+        return torch.optim.Muon
+
     def make_optimizer(
-        self, model: nn.Module, make: Callable[[Any], torch.optim.Optimizer]
+        self, model: nn.Module, make: Callable[..., torch.optim.Optimizer]
     ) -> torch.optim.Optimizer:
-        """The optimizer over the wrapped model's parameters; ``make(params)`` builds the suite's."""
-        return make(model.parameters())
+        """The optimizer over the wrapped model's parameters; ``make(params, muon=cls)`` builds
+        the suite's (``params`` named, as "muon" splits them by name; ``cls`` from ``muon``)."""
+        return make(model.named_parameters(), muon=self.muon())
 
     def make_grad_scaler(self, model: nn.Module, request: WrapRequest, init_scale: float) -> Any:
         """A gradient scaler for fp16 (scale / unscale_ / step / update, like torch's GradScaler)."""

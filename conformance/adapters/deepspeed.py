@@ -242,6 +242,11 @@ class DeepSpeedAdapter(Adapter):
     def features(self) -> list[str]:
         return ["offload_optimizer", "disk_offload", "disk_offload_optimizer"]
 
+    def optimizers(self) -> list[str]:
+        # The engine builds the client optimizer from bare parameters (no names for Muon's
+        # split), and AdamW has not been run against DeepSpeed here.
+        return ["sgd"]
+
     def unsupported_reason(self, case: Case) -> str | None:
         return deepspeed_unsupported_reason(case)
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from conformance.adapters.base import Fsdp1ApiAdapter, Unsupported, WrapRequest, clean_name
+from conformance.matrix import Case
 
 __all__ = ["TorchFSDP1Adapter"]
 
@@ -23,6 +24,14 @@ class TorchFSDP1Adapter(Fsdp1ApiAdapter):
     # DTensor values need FSDP1 built on a device_mesh ("NoneType has no attribute ndim" from
     # _create_chunk_dtensor otherwise); ShardedTensor ones save and load through DCP alike.
     sharded_use_dtensor = False
+
+    def unsupported_reason(self, case: Case) -> str | None:
+        if case.optimizer == "muon":
+            # use_orig_params exposes each parameter as a 1-D view of the rank's flat shard.
+            return (
+                "FSDP1's parameters are 1-D views of flat shards: torch.optim.Muon takes 2-D ones"
+            )
+        return super().unsupported_reason(case)
 
     def wrap(self, model: nn.Module, request: WrapRequest) -> nn.Module:
         if request.cpu_offload and request.device.type == "cpu":

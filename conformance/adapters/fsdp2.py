@@ -159,3 +159,6 @@ class FsdpLiteFSDP2Adapter(TorchFSDP2Adapter):
     name = "fsdp_lite_fsdp2"
     description = "fsdp_lite.fully_shard (this repository's FSDP2 front), per unit and root"
     api = "fsdp_lite"
+
+    def muon(self) -> type:
+        return importlib.import_module(self.api).Muon  # exact on shards (docs/muon.md)

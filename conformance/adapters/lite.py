@@ -33,6 +33,9 @@ class FsdpLiteAdapter(Fsdp1ApiAdapter):
     description = "fsdp_lite.FullyShardedDataParallel (this repository)"
     api = "fsdp_lite"
 
+    def muon(self) -> type:
+        return importlib.import_module(self.api).Muon  # exact on shards (docs/muon.md)
+
     def features(self) -> list[str]:
         # CPUOffload(offload_params=True, offload_dir=...): params, grads and optimizer state in
         # files (docs/disk_offload.md). Its optimizer state never goes to disk without the params.
