@@ -7,6 +7,9 @@ state per rank. Each mode runs in fresh processes, one after the other:
   memory      CPUOffload(offload_params=True), optim.step()
   disk        CPUOffload(offload_params=True, offload_dir=DIR), optim.step()
   disk_unit   the same, stepping with fsdp_lite.disk_offload.step(model, optim) (one unit at a time)
+  deepspeed   DeepSpeed ZeRO-Infinity on the same model and AdamW: stage 3, offload_param and
+              offload_optimizer to nvme in DIR, its default buffers (needs deepspeed and its
+              async_io op: scripts/deepspeed_matrix.sh --libaio sets both up)
 
 Per rank it reads /proc/self/status: the peak RSS (VmHWM, reset through /proc/self/clear_refs
 after the model is built and again after the first step) and RssAnon / RssFile after each step.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,7 +40,7 @@ from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite.tools.launch import leave_together
 from fsdp_lite.wrap import ModuleWrapPolicy
 
-MODES = ("memory", "disk", "disk_unit")
+MODES = ("memory", "disk", "disk_unit", "deepspeed")
 GIB = 2**30
 
 
@@ -69,6 +73,16 @@ def rank_main(rank: int, args: argparse.Namespace, mode: str, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.world_size
     )
+    if mode == "deepspeed":
+        result = deepspeed_steps(rank, args)
+    else:
+        result = fsdp_lite_steps(rank, args, mode)
+    leave_together()
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps(result))
+
+
+def fsdp_lite_steps(rank: int, args: argparse.Namespace, mode: str) -> dict:
     offload = CPUOffload(offload_params=True, offload_dir=None if mode == "memory" else args.dir)
     model = FSDP(
         build(args.width, args.layers),
@@ -77,6 +91,72 @@ def rank_main(rank: int, args: argparse.Namespace, mode: str, out: str) -> None:
     )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     shard_numel = sum(p.to_local().numel() for p in model.parameters())
+
+    def forward_backward(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    def optimizer_step() -> None:
+        if mode == "disk_unit":
+            disk_offload.step(model, optim)
+        else:
+            optim.step()
+        optim.zero_grad()
+
+    result = measure(rank, args, mode, shard_numel, forward_backward, optimizer_step)
+    if mode != "memory":
+        disk_offload.close(model)  # multiprocessing children skip atexit
+    return result
+
+
+def deepspeed_steps(rank: int, args: argparse.Namespace) -> dict:
+    """The same model and AdamW under DeepSpeed ZeRO-Infinity: stage 3, params and optimizer
+    state offloaded to nvme in ``args.dir`` with DeepSpeed's default buffers (libaio, O_DIRECT,
+    pinned buffers, prefetch); torch's AdamW as the client optimizer, as fsdp_lite's."""
+    os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed probes for one otherwise; read at import
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed insists; one host here
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    nvme = os.path.join(args.dir, f"deepspeed-{os.getppid()}")  # one per run, DeepSpeed's layout
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,  # every parameter offloaded, as fsdp_lite's
+            "offload_param": {"device": "nvme", "nvme_path": nvme},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+        },
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # torch's AdamW, not DeepSpeed's JIT-built CPUAdam
+        "steps_per_print": 2**31 - 1,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=build(args.width, args.layers),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
+        config=config,
+        dist_init_required=False,
+    )
+    shard_numel = sum(p.ds_tensor.numel() for p in engine.module.parameters())
+
+    def forward_backward(x: torch.Tensor) -> torch.Tensor:
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        return loss
+
+    result = measure(rank, args, "deepspeed", shard_numel, forward_backward, engine.step)
+    engine.destroy()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(nvme, ignore_errors=True)
+    return result
+
+
+def measure(rank, args, mode, shard_numel, forward_backward, optimizer_step) -> dict:
+    """Time and peak RSS of each step's forward+backward and optimizer step, RSS after each."""
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
     after_build = proc_status()
@@ -87,17 +167,12 @@ def rank_main(rank: int, args: argparse.Namespace, mode: str, out: str) -> None:
         if step > 0:
             reset_peak()  # the first step's peak (AdamW state created) is its own column
         start = time.perf_counter()
-        loss = model(x).pow(2).mean()
-        loss.backward()
+        loss = forward_backward(x)
         middle = time.perf_counter()
         fwd_bwd_peak = proc_status()["VmHWM"]
         if step > 0:
             reset_peak()
-        if mode == "disk_unit":
-            disk_offload.step(model, optim)
-        else:
-            optim.step()
-        optim.zero_grad()
+        optimizer_step()
         end = time.perf_counter()
         status = proc_status()
         rows.append(
@@ -105,7 +180,7 @@ def rank_main(rank: int, args: argparse.Namespace, mode: str, out: str) -> None:
             | dict(fwd_bwd_peak=fwd_bwd_peak, optim_peak=status["VmHWM"])
             | {k: status[k] for k in ("VmRSS", "RssAnon", "RssFile")}
         )
-    result = dict(
+    return dict(
         rank=rank,
         mode=mode,
         shard_numel=shard_numel,
@@ -114,11 +189,6 @@ def rank_main(rank: int, args: argparse.Namespace, mode: str, out: str) -> None:
         first_step_peak_rss=rows[0]["optim_peak"],  # step 0 never resets the peak
         steps=rows,
     )
-    if mode != "memory":
-        disk_offload.close(model)  # multiprocessing children skip atexit
-    leave_together()
-    dist.destroy_process_group()
-    Path(out).write_text(json.dumps(result))
 
 
 def launch(world_size: int, target, args: tuple, label: str) -> list[dict]:
@@ -193,7 +263,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="offload directory")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default="memory,disk,disk_unit", help=f"of {MODES}")
     parser.add_argument("--out", default="benchmarks/results/disk_offload")
     args = parser.parse_args()
     results = {mode: run_mode(args, mode) for mode in args.modes.split(",")}

@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -213,7 +214,7 @@ def rank_main(rank: int, args: argparse.Namespace, cfg: GPTConfig, mode: str, ou
         progress = tqdm(total=ticks, desc=f"step {step}", disable=not show, mininterval=2)
         dist.barrier()
         reset_peak()
-        io0, t0 = io_counters(), time.perf_counter()
+        io0, use0, t0 = io_counters(), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         t1 = time.perf_counter()
@@ -225,7 +226,7 @@ def rank_main(rank: int, args: argparse.Namespace, cfg: GPTConfig, mode: str, ou
             optim.step()
         optim.zero_grad()
         t3 = time.perf_counter()
-        io1, status = io_counters(), proc_status()
+        io1, use1, status = io_counters(), resource.getrusage(resource.RUSAGE_SELF), proc_status()
         progress.close()
         losses = [torch.zeros(()) for _ in range(args.world_size)]
         dist.all_gather(losses, loss.detach())
@@ -235,6 +236,10 @@ def rank_main(rank: int, args: argparse.Namespace, cfg: GPTConfig, mode: str, ou
             | dict(read_bytes=io1["read_bytes"] - io0["read_bytes"])
             | dict(write_bytes=io1["write_bytes"] - io0["write_bytes"])
             | dict(peak_rss=status["VmHWM"], rss_anon=status["RssAnon"], rss_file=status["RssFile"])
+            # CPU time against wall time says how long the rank waited (for I/O, or the CPU);
+            # major faults are the pages it read from disk through the mappings.
+            | dict(user_s=use1.ru_utime - use0.ru_utime, sys_s=use1.ru_stime - use0.ru_stime)
+            | dict(major_faults=use1.ru_majflt - use0.ru_majflt)
         )
         if show:
             r = rows[-1]
@@ -265,7 +270,7 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=2560)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--ram-factor", type=float, default=1.1, help="states / MemTotal")
     parser.add_argument("--blocks", type=int, default=0, help="depth (default: from --ram-factor)")
     parser.add_argument("--floor-blocks", type=int, default=2, help="depth of the compute floor")
@@ -334,6 +339,8 @@ def summarize(args, cfg, floor_cfg, bandwidth, disk, memory) -> dict:
             read_gib=max(s["read_bytes"] for s in later) / GIB,
             write_gib=max(s["write_bytes"] for s in later) / GIB,
             step_s=step_s,
+            cpu_s=max(s["user_s"] + s["sys_s"] for s in later),
+            phases_s=[max(s[k] for s in later) for k in ("forward_s", "backward_s", "optim_s")],
             lowest_available_gib=r["lowest_available"] / GIB,
             losses=[s["loss"] for s in r["steps"]],
         )
@@ -341,10 +348,14 @@ def summarize(args, cfg, floor_cfg, bandwidth, disk, memory) -> dict:
         lines.append(
             f"{row['rank']:>4} {row['init_s']:>7.0f} {row['peak_rss_gib']:>8.2f} "
             f"{row['read_gib']:>8.1f} {row['write_gib']:>8.1f} {row['step_s']:>7.1f} "
+            f"{'/'.join(f'{t:.0f}' for t in row['phases_s']):>11} {row['cpu_s']:>6.0f} "
             f"{row['lowest_available_gib']:>9.2f}"
         )
     step_s = max(row["step_s"] for row in summary)
-    header = f"{'rank':>4} {'init s':>7} {'peak RSS':>8} {'read/st':>8} {'wrote/st':>8} {'step s':>7} {'min avail':>9}"
+    header = (
+        f"{'rank':>4} {'init s':>7} {'peak RSS':>8} {'read/st':>8} {'wrote/st':>8} {'step s':>7} "
+        f"{'f/b/opt s':>11} {'cpu s':>6} {'min avail':>9}"
+    )
     text = "\n".join(
         [
             f"{params / 1e9:.2f}B params, states {params * STATE_BYTES_PER_PARAM / GIB:.1f} GiB "
@@ -353,7 +364,8 @@ def summarize(args, cfg, floor_cfg, bandwidth, disk, memory) -> dict:
             "-" * len(header),
             *lines,
             "GiB; read/st, wrote/st: this rank's /proc/self/io per step after the first (max); "
-            "step s: after the first (max); min avail: lowest MemAvailable seen.",
+            "step s, f/b/opt s (forward, backward, optimizer), cpu s (user + system): after the "
+            "first (max); min avail: lowest MemAvailable seen.",
             f"I/O floor {io_floor:.1f} s (read {must_read / GIB:.1f} GiB at "
             f"{bandwidth['read'] / 1e9:.2f} GB/s, write {must_write / GIB:.1f} GiB at "
             f"{bandwidth['write'] / 1e9:.2f} GB/s); compute floor {compute_floor:.1f} s "
