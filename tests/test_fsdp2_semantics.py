@@ -20,6 +20,10 @@ same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulati
   pending-gradient tests, docs/fsdp2.md).
 - Post-accumulate-grad hooks on the sharded params run once the reduced gradient lands: an
   optimizer stepped from them trains as torch's (found by torch's own autograd tests).
+- Gradient accumulation with sync off for the whole tree, the root alone or some units, kept
+  unsharded or resharded between micro-batches, with CPU offload; HSDP with no sync or no
+  all-reduce until the last micro-batch (4 ranks): the cases of torch's own
+  ``test_gradient_accumulation``, whose collective counts need ``--backend-collectives``.
 """
 
 from __future__ import annotations
@@ -547,6 +551,78 @@ def _check_all_gather_extension_is_refused(rank: int, world_size: int) -> None:
     linear.reset_iter_state()
 
 
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x)))
+
+
+# Which units skip gradient sync (and, where reshard_after_backward is False, stay unsharded)
+# until the last micro-batch, the whole tree, the root alone or two of three blocks; then
+# reshard_after_forward, reshard_after_backward, CPU offload. The cases torch's own
+# test_gradient_accumulation (test_fully_shard_training.py) runs.
+GRAD_ACC = {
+    "all_units": ("all", True, True, False),
+    "all_units_kept_unsharded": ("all", False, False, False),
+    "root_only": ("root_only", True, True, False),
+    "root_only_kept_unsharded": ("root_only", False, False, False),
+    "some_units_reshard_2": ("some", 2, True, False),
+    "all_units_cpu_offload": ("all", True, True, True),
+}
+
+
+def _train_accumulating(api, rank, case, mesh=None, all_reduce_only=False) -> list:
+    """3 steps of 3 micro-batches, the first two without sync by ``case``; Adam, and
+    ``zero_grad`` alternating ``set_to_none``. Each micro-batch's loss, then each step's gradients
+    and parameters."""
+    mode, reshard_after_forward, reshard_after_backward, offload = GRAD_ACC[case]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, DIM), _MLP(), _MLP(), _MLP())
+    kw = {"reshard_after_forward": reshard_after_forward, "mesh": mesh}
+    if offload:
+        kw["offload_policy"] = api.CPUOffloadPolicy(pin_memory=False)
+    for block in model[1:]:
+        api.fully_shard(block, **kw)
+    api.fully_shard(model, **kw)  # the root holds the first linear
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    targets = {"all": [model], "root_only": [model], "some": list(model[1:3])}[mode]
+    recurse = mode != "root_only"
+    g = torch.Generator().manual_seed(rank + 1)
+    record = []
+    for step in range(3):
+        for micro in range(3):
+            last = micro == 2
+            for module in targets:
+                if all_reduce_only:
+                    module.set_requires_all_reduce(last, recurse=recurse)
+                else:
+                    module.set_requires_gradient_sync(last, recurse=recurse)
+                if not reshard_after_backward:
+                    module.set_reshard_after_backward(last, recurse=recurse)
+            loss = model(torch.randn(2, DIM, generator=g)).sum()
+            loss.backward()
+            record.append(loss.detach())
+        record += [_full(p.grad).clone() for p in model.parameters()]
+        optim.step()
+        optim.zero_grad(set_to_none=bool(step % 2))
+        record += [_full(p.detach()).clone() for p in model.parameters()]
+    return record
+
+
+def _check_grad_accumulation(rank: int, world_size: int, case: str) -> None:
+    """Gradient accumulation with sync toggled per unit, bitwise torch FSDP2's."""
+    ours, theirs = (
+        _train_accumulating(fsdp_lite, rank, case),
+        _train_accumulating(torch_fsdp, rank, case),
+    )
+    assert len(ours) == len(theirs) == 3 * (3 + 2 * 14), (len(ours), len(theirs))
+    for i, (mine, ref) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=f"{case}, record {i}")
+
+
 CHECKS = {
     "all_gather_extension_refused": _check_all_gather_extension_is_refused,
     "structured_activations": _check_structured_activations,
@@ -566,6 +642,11 @@ def _semantics_rank(rank: int, world_size: int) -> dict[str, str]:
     failures = run_checks(CHECKS, list(CHECKS), rank, world_size)
     chunked = {name: (lambda r, w, n=name: _check_chunked(r, w, n)) for name in CHUNKED}
     failures.update(run_checks(chunked, list(chunked), rank, world_size))
+    grad_acc = {
+        f"grad_accumulation_{name}": (lambda r, w, n=name: _check_grad_accumulation(r, w, n))
+        for name in GRAD_ACC
+    }
+    failures.update(run_checks(grad_acc, list(grad_acc), rank, world_size))
     return failures
 
 
@@ -574,7 +655,9 @@ def results(tmp_path_factory):
     return run_ranks(_semantics_rank, 2, tmp_path_factory.mktemp("semantics"), timeout=300)
 
 
-@pytest.mark.parametrize("check", [*CHECKS, *CHUNKED])
+@pytest.mark.parametrize(
+    "check", [*CHECKS, *CHUNKED, *(f"grad_accumulation_{name}" for name in GRAD_ACC)]
+)
 def test_fsdp2_semantics_are_torchs_bitwise(results, check):
     for rank, failures in enumerate(results):
         assert check not in failures, f"rank {rank}:\n{failures[check]}"
@@ -609,3 +692,25 @@ def _nested_int_reshard_rank(rank: int, world_size: int) -> None:
 
 def test_int_reshard_after_forward_on_a_parent_of_sharded_blocks_at_4_ranks(tmp_path):
     run_ranks(_nested_int_reshard_rank, 4, tmp_path, timeout=180)
+
+
+def _hsdp_grad_accumulation_rank(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for case in ("all_units", "root_only", "some_units_reshard_2"):
+        for all_reduce_only in (False, True):
+            what = f"{case}, all_reduce_only={all_reduce_only}"
+            ours, theirs = (
+                _train_accumulating(api, rank, case, mesh, all_reduce_only)
+                for api in (fsdp_lite, torch_fsdp)
+            )
+            assert len(ours) == len(theirs) == 3 * (3 + 2 * 14), what
+            for i, (mine, ref) in enumerate(zip(ours, theirs)):
+                torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=f"{what}, record {i}")
+
+
+def test_hsdp_grad_accumulation_at_4_ranks(tmp_path):
+    """HSDP (2 x 2) accumulation, without sync or with reduce-scatter but no all-reduce
+    (``set_requires_all_reduce``) until the last micro-batch: bitwise torch FSDP2's."""
+    run_ranks(_hsdp_grad_accumulation_rank, 4, tmp_path, timeout=600)
