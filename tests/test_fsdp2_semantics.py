@@ -24,6 +24,7 @@ same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulati
   unsharded or resharded between micro-batches, with CPU offload; HSDP with no sync or no
   all-reduce until the last micro-batch (4 ranks): the cases of torch's own
   ``test_gradient_accumulation``, whose collective counts need ``--backend-collectives``.
+- ``model.to(torch.bfloat16)`` after ``fully_shard``, with and without a mixed-precision policy.
 """
 
 from __future__ import annotations
@@ -623,6 +624,47 @@ def _check_grad_accumulation(rank: int, world_size: int, case: str) -> None:
         torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=f"{case}, record {i}")
 
 
+def _check_dtype_conversion_after_fully_shard(rank: int, world_size: int) -> None:
+    """``model.to(torch.bfloat16)`` after ``fully_shard``, before the first forward, with and
+    without a mixed-precision policy (a frozen bias too): the sharded params, their gradients and
+    3 AdamW steps are torch FSDP2's (what torch's test_fully_shard_conversion.py covers, most of
+    which reads torch's private state)."""
+
+    def train(api, mixed: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM))
+        model[2].bias.requires_grad_(False)
+        kw = {}
+        if mixed:
+            kw["mp_policy"] = api.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        api.fully_shard(model[0], **kw)
+        api.fully_shard(model, **kw)
+        model.to(torch.bfloat16)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        record = []
+        for _ in range(3):
+            out = model(torch.randn(2, DIM, generator=g).to(torch.bfloat16))
+            out.sum().backward()
+            record.append(out.detach())
+            for p in model.parameters():
+                record.append(torch.tensor(p.requires_grad))
+                record.append(_full(p.grad).clone() if p.grad is not None else torch.tensor(-1))
+            optim.step()
+            optim.zero_grad()
+            record += [_full(p.detach()).clone() for p in model.parameters()]
+        return record
+
+    for mixed in (False, True):
+        ours, theirs = train(fsdp_lite, mixed), train(torch_fsdp, mixed)
+        assert len(ours) == len(theirs) == 3 * (1 + 2 * 4 + 4), (len(ours), len(theirs))
+        for i, (mine, ref) in enumerate(zip(ours, theirs)):
+            assert mine.dtype == ref.dtype, f"mixed={mixed}, record {i}: {mine.dtype} {ref.dtype}"
+            torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=f"mixed={mixed}, {i}")
+
+
 CHECKS = {
     "all_gather_extension_refused": _check_all_gather_extension_is_refused,
     "structured_activations": _check_structured_activations,
@@ -635,6 +677,7 @@ CHECKS = {
     "unsharded_after_backward": _check_unsharded_after_backward,
     "stale_unsharded_copy_gathered_again": _check_stale_unsharded_copy_is_gathered_again,
     "post_accumulate_grad_hooks": _check_post_accumulate_grad_hooks_run_on_sharded_params,
+    "dtype_conversion_after_fully_shard": _check_dtype_conversion_after_fully_shard,
 }
 
 
