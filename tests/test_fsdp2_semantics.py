@@ -25,6 +25,9 @@ same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulati
   all-reduce until the last micro-batch (4 ranks): the cases of torch's own
   ``test_gradient_accumulation``, whose collective counts need ``--backend-collectives``.
 - ``model.to(torch.bfloat16)`` after ``fully_shard``, with and without a mixed-precision policy.
+- A unit skipped by the synced backward after backwards without sync reduces its gradient there;
+  under HSDP ``set_requires_gradient_sync(True)`` turns the all-reduce back on (4 ranks). Both
+  silent differences found by torch's own pending-gradient tests, now fixed.
 """
 
 from __future__ import annotations
@@ -665,6 +668,69 @@ def _check_dtype_conversion_after_fully_shard(rank: int, world_size: int) -> Non
             torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=f"mixed={mixed}, {i}")
 
 
+class _TwoUnits(nn.Module):
+    """Two sibling linears, each its own unit; the second used only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, use_second: bool = True) -> torch.Tensor:
+        y = self.first(x)
+        return y + self.second(x) if use_second else y
+
+
+def _two_units(api, rank: int, reshard_after_backward: bool, mesh=None) -> _TwoUnits:
+    torch.manual_seed(0)
+    model = _TwoUnits()
+    for module in (model.first, model.second):
+        api.fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    api.fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    model.set_reshard_after_backward(reshard_after_backward)
+    return model
+
+
+def _grads(model: nn.Module) -> list:
+    return [None if p.grad is None else _full(p.grad).clone() for p in model.parameters()]
+
+
+def _assert_same_records(ours: list, theirs: list, what: str) -> None:
+    assert len(ours) == len(theirs), what
+    for i, (mine, ref) in enumerate(zip(ours, theirs)):
+        assert len(mine) == len(ref), f"{what}, record {i}"
+        for j, (a, b) in enumerate(zip(mine, ref)):
+            assert (a is None) == (b is None), f"{what}, record {i}, param {j}: {a} vs {b}"
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{what}, {i}, {j}")
+
+
+def _check_unsynced_grads_of_a_unit_the_synced_backward_skips(rank: int, world_size: int) -> None:
+    """A unit that accumulated without sync and is not used by the next, synced, backward: torch
+    FSDP2's final callback reduces its gradient there, so the step after sees it. fsdp_lite
+    reduced it only at a later backward that used the unit: the step in between read the
+    gradient of before the accumulation, silently."""
+
+    def run(api, reshard_after_backward: bool) -> list:
+        model = _two_units(api, rank, reshard_after_backward)
+        g = torch.Generator().manual_seed(rank)
+        record = []
+        for sync, use_second in ((True, True), (False, True), (True, False)):
+            model.set_requires_gradient_sync(sync)
+            model(torch.randn(2, DIM, generator=g), use_second).sum().backward()
+            record.append(_grads(model))
+        for module in (model, model.first, model.second):
+            module.reshard()
+        record.append(_grads(model))
+        return record
+
+    for reshard_after_backward in (True, False):
+        _assert_same_records(
+            run(fsdp_lite, reshard_after_backward),
+            run(torch_fsdp, reshard_after_backward),
+            f"reshard_after_backward={reshard_after_backward}",
+        )
+
+
 CHECKS = {
     "all_gather_extension_refused": _check_all_gather_extension_is_refused,
     "structured_activations": _check_structured_activations,
@@ -678,6 +744,7 @@ CHECKS = {
     "stale_unsharded_copy_gathered_again": _check_stale_unsharded_copy_is_gathered_again,
     "post_accumulate_grad_hooks": _check_post_accumulate_grad_hooks_run_on_sharded_params,
     "dtype_conversion_after_fully_shard": _check_dtype_conversion_after_fully_shard,
+    "unsynced_grads_of_a_skipped_unit": _check_unsynced_grads_of_a_unit_the_synced_backward_skips,
 }
 
 
@@ -757,3 +824,47 @@ def test_hsdp_grad_accumulation_at_4_ranks(tmp_path):
     """HSDP (2 x 2) accumulation, without sync or with reduce-scatter but no all-reduce
     (``set_requires_all_reduce``) until the last micro-batch: bitwise torch FSDP2's."""
     run_ranks(_hsdp_grad_accumulation_rank, 4, tmp_path, timeout=600)
+
+
+def _all_reduce_back_on_with_gradient_sync_rank(rank: int, world_size: int) -> None:
+    """HSDP: ``set_requires_all_reduce(False)``, then ``set_requires_gradient_sync(False)`` and
+    ``(True)``: torch's ``set_requires_gradient_sync`` sets the all-reduce too, so the synced
+    backward all-reduces and the gradients land. fsdp_lite set only the sync flag: the all-reduce
+    stayed off and no gradient landed again, silently. Units called on their own in between
+    (torch's test_native_partial_ownership pattern, whose own checks expect rules newer than
+    torch 2.13's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def run(api, reshard_after_backward: bool) -> list:
+        model = _two_units(api, rank, reshard_after_backward, mesh)
+        g = torch.Generator().manual_seed(rank)
+        record = []
+        model(torch.randn(2, DIM, generator=g)).sum().backward()
+        record.append(_grads(model))
+        model.set_requires_all_reduce(False)
+        for module in (model.first, model.second):
+            module(torch.randn(2, DIM, generator=g, requires_grad=True)).sum().backward()
+        record.append(_grads(model))
+        model.set_requires_gradient_sync(False)
+        model.first(torch.randn(2, DIM, generator=g, requires_grad=True)).sum().backward()
+        record.append(_grads(model))
+        model.set_requires_gradient_sync(True)
+        for use_second in (False, True):
+            model(torch.randn(2, DIM, generator=g), use_second).sum().backward()
+            for module in (model, model.first, model.second):
+                module.reshard()
+            record.append(_grads(model))
+        return record
+
+    for reshard_after_backward in (True, False):
+        _assert_same_records(
+            run(fsdp_lite, reshard_after_backward),
+            run(torch_fsdp, reshard_after_backward),
+            f"reshard_after_backward={reshard_after_backward}",
+        )
+
+
+def test_gradient_sync_turns_the_all_reduce_back_on_at_4_ranks(tmp_path):
+    run_ranks(_all_reduce_back_on_with_gradient_sync_rank, 4, tmp_path, timeout=600)

@@ -429,7 +429,14 @@ class StepRuntime:
         for unit in self.units:
             rec = self.record(unit)
             needs_reduce = rec.ran_pre_backward or rec.num_grads_ready > 0
-            if unit.settings.requires_gradient_sync and needs_reduce and not rec.reduced:
+            # A unit this backward did not reach still reduces what earlier backwards without
+            # sync left it, as torch FSDP2's final callback does: else the step would miss it.
+            unsynced = unit in self._unreduced
+            if (
+                unit.settings.requires_gradient_sync
+                and (needs_reduce or unsynced)
+                and not rec.reduced
+            ):
                 self._start_reduce(unit)
             elif needs_reduce and unit.trainable and not unit.settings.requires_gradient_sync:
                 unit.keep_unsynced_grads()
