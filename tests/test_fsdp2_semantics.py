@@ -705,8 +705,8 @@ def _assert_same_records(ours: list, theirs: list, what: str) -> None:
 
 
 def _check_unsynced_grads_of_a_unit_the_synced_backward_skips(rank: int, world_size: int) -> None:
-    """A unit that accumulated without sync and is not used by the next, synced, backward: torch
-    FSDP2's final callback reduces its gradient there, so the step after sees it. fsdp_lite
+    """A unit that accumulated without sync and is not used by the next, synced, forward and
+    backward: torch FSDP2's final callback reduces its gradient there, so the step after sees it. fsdp_lite
     reduced it only at a later backward that used the unit: the step in between read the
     gradient of before the accumulation, silently."""
 
