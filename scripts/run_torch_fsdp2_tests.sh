@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run one of torch's FSDP2 test files one test at a time: natively, then, where the native run
 # passed, switched to fsdp_lite (scripts/switch_torch_fsdp2_tests.py).
-#   scripts/run_torch_fsdp2_tests.sh [--lift-gpu-gates] DIR FILE [TIMEOUT_S] [PYTEST_K]
+#   scripts/run_torch_fsdp2_tests.sh [--lift-gpu-gates] [--backend-collectives] DIR FILE [TIMEOUT_S] [PYTEST_K]
 # DIR/native/FILE is torch's test file, put there by hand (never into this repo); the switched copy
 # goes to DIR/switched/FILE. Both runs put scripts/torch_fsdp2_tests_compat on PYTHONPATH (the same
 # harness for both) and this checkout before any installed fsdp_lite. Logs: DIR/logs/MODE/FILE/TEST.log;
@@ -9,15 +9,26 @@
 # native line is already in the TSV is not run natively again.
 # --lift-gpu-gates: skip_if_lt_x_gpu(n) runs the test on CPU too, both runs alike
 # (torch_fsdp2_tests_compat/lift_gpu_gates/); give such runs a DIR of their own.
+# --backend-collectives: fsdp_lite uses gloo's all-gather and reduce-scatter, not sends, so that
+# torch's CommDebugMode counts them (torch_fsdp2_tests_compat/backend_collectives/).
 set -u
-LIFT=""
-if [ "${1:-}" = "--lift-gpu-gates" ]; then LIFT=1; shift; fi
+LIFT=""; BACKEND=""
+while true; do
+  case "${1:-}" in
+    --lift-gpu-gates) LIFT=1; shift ;;
+    --backend-collectives) BACKEND=1; shift ;;
+    *) break ;;
+  esac
+done
 DIR=$1; FILE=$2; TIMEOUT=${3:-600}; K=${4:-}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python}
 export PYTHONPATH="$REPO/scripts/torch_fsdp2_tests_compat:$REPO"
 if [ -n "$LIFT" ]; then
   PYTHONPATH="$REPO/scripts/torch_fsdp2_tests_compat/lift_gpu_gates:$PYTHONPATH"
+fi
+if [ -n "$BACKEND" ]; then
+  PYTHONPATH="$REPO/scripts/torch_fsdp2_tests_compat/backend_collectives:$PYTHONPATH"
 fi
 mkdir -p "$DIR/switched" "$DIR/logs/native/$FILE" "$DIR/logs/switched/$FILE"
 "$PY" "$REPO/scripts/switch_torch_fsdp2_tests.py" "$DIR/native/$FILE" -o "$DIR/switched/$FILE"

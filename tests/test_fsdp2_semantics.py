@@ -20,6 +20,14 @@ same launch (runtime.py Note [Forward states], unit.py Note [Unsynced accumulati
   pending-gradient tests, docs/fsdp2.md).
 - Post-accumulate-grad hooks on the sharded params run once the reduced gradient lands: an
   optimizer stepped from them trains as torch's (found by torch's own autograd tests).
+- Gradient accumulation with sync off for the whole tree, the root alone or some units, kept
+  unsharded or resharded between micro-batches, with CPU offload; HSDP with no sync or no
+  all-reduce until the last micro-batch (4 ranks): the cases of torch's own
+  ``test_gradient_accumulation``, whose collective counts need ``--backend-collectives``.
+- ``model.to(torch.bfloat16)`` after ``fully_shard``, with and without a mixed-precision policy.
+- A unit skipped by the synced backward after backwards without sync reduces its gradient there;
+  under HSDP ``set_requires_gradient_sync(True)`` turns the all-reduce back on (4 ranks). Both
+  silent differences found by torch's own pending-gradient tests, now fixed.
 """
 
 from __future__ import annotations
@@ -547,6 +555,182 @@ def _check_all_gather_extension_is_refused(rank: int, world_size: int) -> None:
     linear.reset_iter_state()
 
 
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x)))
+
+
+# Which units skip gradient sync (and, where reshard_after_backward is False, stay unsharded)
+# until the last micro-batch, the whole tree, the root alone or two of three blocks; then
+# reshard_after_forward, reshard_after_backward, CPU offload. The cases torch's own
+# test_gradient_accumulation (test_fully_shard_training.py) runs.
+GRAD_ACC = {
+    "all_units": ("all", True, True, False),
+    "all_units_kept_unsharded": ("all", False, False, False),
+    "root_only": ("root_only", True, True, False),
+    "root_only_kept_unsharded": ("root_only", False, False, False),
+    "some_units_reshard_2": ("some", 2, True, False),
+    "all_units_cpu_offload": ("all", True, True, True),
+}
+
+
+def _train_accumulating(api, rank, case, mesh=None, all_reduce_only=False) -> list:
+    """3 steps of 3 micro-batches, the first two without sync by ``case``; Adam, and
+    ``zero_grad`` alternating ``set_to_none``. Each micro-batch's loss, then each step's gradients
+    and parameters."""
+    mode, reshard_after_forward, reshard_after_backward, offload = GRAD_ACC[case]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, DIM), _MLP(), _MLP(), _MLP())
+    kw = {"reshard_after_forward": reshard_after_forward, "mesh": mesh}
+    if offload:
+        kw["offload_policy"] = api.CPUOffloadPolicy(pin_memory=False)
+    for block in model[1:]:
+        api.fully_shard(block, **kw)
+    api.fully_shard(model, **kw)  # the root holds the first linear
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    targets = {"all": [model], "root_only": [model], "some": list(model[1:3])}[mode]
+    recurse = mode != "root_only"
+    g = torch.Generator().manual_seed(rank + 1)
+    record = []
+    for step in range(3):
+        for micro in range(3):
+            last = micro == 2
+            for module in targets:
+                if all_reduce_only:
+                    module.set_requires_all_reduce(last, recurse=recurse)
+                else:
+                    module.set_requires_gradient_sync(last, recurse=recurse)
+                if not reshard_after_backward:
+                    module.set_reshard_after_backward(last, recurse=recurse)
+            loss = model(torch.randn(2, DIM, generator=g)).sum()
+            loss.backward()
+            record.append(loss.detach())
+        record += [_full(p.grad).clone() for p in model.parameters()]
+        optim.step()
+        optim.zero_grad(set_to_none=bool(step % 2))
+        record += [_full(p.detach()).clone() for p in model.parameters()]
+    return record
+
+
+def _check_grad_accumulation(rank: int, world_size: int, case: str) -> None:
+    """Gradient accumulation with sync toggled per unit, bitwise torch FSDP2's."""
+    ours, theirs = (
+        _train_accumulating(fsdp_lite, rank, case),
+        _train_accumulating(torch_fsdp, rank, case),
+    )
+    assert len(ours) == len(theirs) == 3 * (3 + 2 * 14), (len(ours), len(theirs))
+    for i, (mine, ref) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=f"{case}, record {i}")
+
+
+def _check_dtype_conversion_after_fully_shard(rank: int, world_size: int) -> None:
+    """``model.to(torch.bfloat16)`` after ``fully_shard``, before the first forward, with and
+    without a mixed-precision policy (a frozen bias too): the sharded params, their gradients and
+    3 AdamW steps are torch FSDP2's (what torch's test_fully_shard_conversion.py covers, most of
+    which reads torch's private state)."""
+
+    def train(api, mixed: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM))
+        model[2].bias.requires_grad_(False)
+        kw = {}
+        if mixed:
+            kw["mp_policy"] = api.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        api.fully_shard(model[0], **kw)
+        api.fully_shard(model, **kw)
+        model.to(torch.bfloat16)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        record = []
+        for _ in range(3):
+            out = model(torch.randn(2, DIM, generator=g).to(torch.bfloat16))
+            out.sum().backward()
+            record.append(out.detach())
+            for p in model.parameters():
+                record.append(torch.tensor(p.requires_grad))
+                record.append(_full(p.grad).clone() if p.grad is not None else torch.tensor(-1))
+            optim.step()
+            optim.zero_grad()
+            record += [_full(p.detach()).clone() for p in model.parameters()]
+        return record
+
+    for mixed in (False, True):
+        ours, theirs = train(fsdp_lite, mixed), train(torch_fsdp, mixed)
+        assert len(ours) == len(theirs) == 3 * (1 + 2 * 4 + 4), (len(ours), len(theirs))
+        for i, (mine, ref) in enumerate(zip(ours, theirs)):
+            assert mine.dtype == ref.dtype, f"mixed={mixed}, record {i}: {mine.dtype} {ref.dtype}"
+            torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=f"mixed={mixed}, {i}")
+
+
+class _TwoUnits(nn.Module):
+    """Two sibling linears, each its own unit; the second used only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, use_second: bool = True) -> torch.Tensor:
+        y = self.first(x)
+        return y + self.second(x) if use_second else y
+
+
+def _two_units(api, rank: int, reshard_after_backward: bool, mesh=None) -> _TwoUnits:
+    torch.manual_seed(0)
+    model = _TwoUnits()
+    for module in (model.first, model.second):
+        api.fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    api.fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    model.set_reshard_after_backward(reshard_after_backward)
+    return model
+
+
+def _grads(model: nn.Module) -> list:
+    return [None if p.grad is None else _full(p.grad).clone() for p in model.parameters()]
+
+
+def _assert_same_records(ours: list, theirs: list, what: str) -> None:
+    assert len(ours) == len(theirs), what
+    for i, (mine, ref) in enumerate(zip(ours, theirs)):
+        assert len(mine) == len(ref), f"{what}, record {i}"
+        for j, (a, b) in enumerate(zip(mine, ref)):
+            assert (a is None) == (b is None), f"{what}, record {i}, param {j}: {a} vs {b}"
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{what}, {i}, {j}")
+
+
+def _check_unsynced_grads_of_a_unit_the_synced_backward_skips(rank: int, world_size: int) -> None:
+    """A unit that accumulated without sync and is not used by the next, synced, forward and
+    backward: torch FSDP2's final callback reduces its gradient there, so the step after sees it. fsdp_lite
+    reduced it only at a later backward that used the unit: the step in between read the
+    gradient of before the accumulation, silently."""
+
+    def run(api, reshard_after_backward: bool) -> list:
+        model = _two_units(api, rank, reshard_after_backward)
+        g = torch.Generator().manual_seed(rank)
+        record = []
+        for sync, use_second in ((True, True), (False, True), (True, False)):
+            model.set_requires_gradient_sync(sync)
+            model(torch.randn(2, DIM, generator=g), use_second).sum().backward()
+            record.append(_grads(model))
+        for module in (model, model.first, model.second):
+            module.reshard()
+        record.append(_grads(model))
+        return record
+
+    for reshard_after_backward in (True, False):
+        _assert_same_records(
+            run(fsdp_lite, reshard_after_backward),
+            run(torch_fsdp, reshard_after_backward),
+            f"reshard_after_backward={reshard_after_backward}",
+        )
+
+
 CHECKS = {
     "all_gather_extension_refused": _check_all_gather_extension_is_refused,
     "structured_activations": _check_structured_activations,
@@ -559,6 +743,8 @@ CHECKS = {
     "unsharded_after_backward": _check_unsharded_after_backward,
     "stale_unsharded_copy_gathered_again": _check_stale_unsharded_copy_is_gathered_again,
     "post_accumulate_grad_hooks": _check_post_accumulate_grad_hooks_run_on_sharded_params,
+    "dtype_conversion_after_fully_shard": _check_dtype_conversion_after_fully_shard,
+    "unsynced_grads_of_a_skipped_unit": _check_unsynced_grads_of_a_unit_the_synced_backward_skips,
 }
 
 
@@ -566,6 +752,11 @@ def _semantics_rank(rank: int, world_size: int) -> dict[str, str]:
     failures = run_checks(CHECKS, list(CHECKS), rank, world_size)
     chunked = {name: (lambda r, w, n=name: _check_chunked(r, w, n)) for name in CHUNKED}
     failures.update(run_checks(chunked, list(chunked), rank, world_size))
+    grad_acc = {
+        f"grad_accumulation_{name}": (lambda r, w, n=name: _check_grad_accumulation(r, w, n))
+        for name in GRAD_ACC
+    }
+    failures.update(run_checks(grad_acc, list(grad_acc), rank, world_size))
     return failures
 
 
@@ -574,7 +765,9 @@ def results(tmp_path_factory):
     return run_ranks(_semantics_rank, 2, tmp_path_factory.mktemp("semantics"), timeout=300)
 
 
-@pytest.mark.parametrize("check", [*CHECKS, *CHUNKED])
+@pytest.mark.parametrize(
+    "check", [*CHECKS, *CHUNKED, *(f"grad_accumulation_{name}" for name in GRAD_ACC)]
+)
 def test_fsdp2_semantics_are_torchs_bitwise(results, check):
     for rank, failures in enumerate(results):
         assert check not in failures, f"rank {rank}:\n{failures[check]}"
@@ -609,3 +802,69 @@ def _nested_int_reshard_rank(rank: int, world_size: int) -> None:
 
 def test_int_reshard_after_forward_on_a_parent_of_sharded_blocks_at_4_ranks(tmp_path):
     run_ranks(_nested_int_reshard_rank, 4, tmp_path, timeout=180)
+
+
+def _hsdp_grad_accumulation_rank(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for case in ("all_units", "root_only", "some_units_reshard_2"):
+        for all_reduce_only in (False, True):
+            what = f"{case}, all_reduce_only={all_reduce_only}"
+            ours, theirs = (
+                _train_accumulating(api, rank, case, mesh, all_reduce_only)
+                for api in (fsdp_lite, torch_fsdp)
+            )
+            assert len(ours) == len(theirs) == 3 * (3 + 2 * 14), what
+            for i, (mine, ref) in enumerate(zip(ours, theirs)):
+                torch.testing.assert_close(mine, ref, rtol=0, atol=0, msg=f"{what}, record {i}")
+
+
+def test_hsdp_grad_accumulation_at_4_ranks(tmp_path):
+    """HSDP (2 x 2) accumulation, without sync or with reduce-scatter but no all-reduce
+    (``set_requires_all_reduce``) until the last micro-batch: bitwise torch FSDP2's."""
+    run_ranks(_hsdp_grad_accumulation_rank, 4, tmp_path, timeout=600)
+
+
+def _all_reduce_back_on_with_gradient_sync_rank(rank: int, world_size: int) -> None:
+    """HSDP: ``set_requires_all_reduce(False)``, then ``set_requires_gradient_sync(False)`` and
+    ``(True)``: torch's ``set_requires_gradient_sync`` sets the all-reduce too, so the synced
+    backward all-reduces and the gradients land. fsdp_lite set only the sync flag: the all-reduce
+    stayed off and no gradient landed again, silently. Units called on their own in between
+    (torch's test_native_partial_ownership pattern, whose own checks expect rules newer than
+    torch 2.13's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def run(api, reshard_after_backward: bool) -> list:
+        model = _two_units(api, rank, reshard_after_backward, mesh)
+        g = torch.Generator().manual_seed(rank)
+        record = []
+        model(torch.randn(2, DIM, generator=g)).sum().backward()
+        record.append(_grads(model))
+        model.set_requires_all_reduce(False)
+        for module in (model.first, model.second):
+            module(torch.randn(2, DIM, generator=g, requires_grad=True)).sum().backward()
+        record.append(_grads(model))
+        model.set_requires_gradient_sync(False)
+        model.first(torch.randn(2, DIM, generator=g, requires_grad=True)).sum().backward()
+        record.append(_grads(model))
+        model.set_requires_gradient_sync(True)
+        for use_second in (False, True):
+            model(torch.randn(2, DIM, generator=g), use_second).sum().backward()
+            for module in (model, model.first, model.second):
+                module.reshard()
+            record.append(_grads(model))
+        return record
+
+    for reshard_after_backward in (True, False):
+        _assert_same_records(
+            run(fsdp_lite, reshard_after_backward),
+            run(torch_fsdp, reshard_after_backward),
+            f"reshard_after_backward={reshard_after_backward}",
+        )
+
+
+def test_gradient_sync_turns_the_all_reduce_back_on_at_4_ranks(tmp_path):
+    run_ranks(_all_reduce_back_on_with_gradient_sync_rank, 4, tmp_path, timeout=600)

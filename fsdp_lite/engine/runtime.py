@@ -240,6 +240,9 @@ class StepRuntime:
         # Units whose backwards left gradients unreduced (no gradient sync), for
         # reduce_after_backward.
         self._unreduced: set[ShardedUnit] = set()
+        # Units whose forward ran with grad and whose backward has not run since: a backward
+        # that skips them (a chunked loss's head) leaves their unsynced gradients alone.
+        self._backward_to_come: set[ShardedUnit] = set()
 
     def record(self, unit: ShardedUnit) -> _BackwardRecord:
         """``unit``'s record of the current backward (a fresh one before it begins)."""
@@ -342,6 +345,7 @@ class StepRuntime:
             unit.reshard(after_forward=grad_enabled)
         unit.enter(TrainingState.IDLE)
         if grad_enabled:
+            self._backward_to_come.add(unit)
             self.register_pre_backward(unit, output)
 
     # ---- backward ----------------------------------------------------------------------------
@@ -429,7 +433,18 @@ class StepRuntime:
         for unit in self.units:
             rec = self.record(unit)
             needs_reduce = rec.ran_pre_backward or rec.num_grads_ready > 0
-            if unit.settings.requires_gradient_sync and needs_reduce and not rec.reduced:
+            if needs_reduce:
+                self._backward_to_come.discard(unit)
+            # A unit this backward did not reach, and whose forward has not run since its last
+            # backward, still reduces what backwards without sync left it, as torch FSDP2's final
+            # callback does: else the step would miss it. One whose backward is still to come (a
+            # chunked loss's head backward first) waits for it, as torch's does.
+            unsynced = unit in self._unreduced and unit not in self._backward_to_come
+            if (
+                unit.settings.requires_gradient_sync
+                and (needs_reduce or unsynced)
+                and not rec.reduced
+            ):
                 self._start_reduce(unit)
             elif needs_reduce and unit.trainable and not unit.settings.requires_gradient_sync:
                 unit.keep_unsynced_grads()
@@ -470,6 +485,7 @@ class StepRuntime:
             unit.reset()
         self._backward.clear()
         self._unreduced.clear()
+        self._backward_to_come.clear()
         self._callback_queued = False
 
     # ---- prefetch ----------------------------------------------------------------------------

@@ -561,9 +561,13 @@ class FSDPModule(TorchFSDPModule):
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
-        """False: backward keeps local unsharded gradients (to accumulate) and reduces nothing."""
+        """False: backward keeps local unsharded gradients (to accumulate) and reduces nothing.
+        Under HSDP it sets the all-reduce too (``set_requires_all_reduce``), as torch's does."""
         for m in self._owners(recurse):
             m._unit.settings.requires_gradient_sync = requires_gradient_sync
+            # torch sets both: else a set_requires_all_reduce(False) before would keep skipping
+            # the all-reduce, and no gradient would land, with no error.
+            m._unit.settings.requires_all_reduce = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters within the shard group but skips the all-reduce across

@@ -61,3 +61,7 @@ try:  # on the path only under run_torch_fsdp2_tests.sh --lift-gpu-gates
     import torch_fsdp2_tests_lift_gpu_gates  # noqa: F401
 except ImportError:
     pass
+try:  # on the path only under run_torch_fsdp2_tests.sh --backend-collectives
+    import torch_fsdp2_tests_backend_collectives  # noqa: F401
+except ImportError:
+    pass
