@@ -35,7 +35,8 @@ def test_the_script_trains_from_disk_and_reports_rss_io_and_floors(tmp_path):
             assert step["peak_rss"] > 0 and step["step_s"] > 0 and step["user_s"] >= 0
     summary = result["summary"]
     assert summary["io_floor_s"] > 0 and summary["compute_floor_s"] > 0
+    assert 0 < summary["rss_ratio"] <= 1.1, summary  # the bound the script holds
     assert set(result["bandwidth"]) == {"read", "write"}
     text = out.with_suffix(".txt").read_text()
-    assert "step / max(floors) = " in text and "I/O floor" in text
+    assert "step / max(floors) = " in text and "I/O floor" in text and ", held" in text
     assert list(offload.iterdir()) == [], "the run removed its files"
