@@ -37,7 +37,7 @@ import argparse
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
 import torch.nn as nn
 
@@ -52,6 +52,7 @@ __all__ = [
     "Sharding",
     "count_numel",
     "estimate",
+    "machine_fit",
     "main",
     "paper_table1",
     "unit_numels",
@@ -373,6 +374,16 @@ def _count(numel: float) -> str:
     return f"{numel:g}"
 
 
+def _largest(numel: float) -> str:
+    """A parameter count to 3 digits, rounded down: 1.58125e9 -> 1.58B."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3), ("", 1)):
+        if numel >= scale:
+            digits = max(0, 3 - len(str(int(numel // scale))))
+            value = Decimal(repr(numel / scale)).quantize(Decimal(1).scaleb(-digits), ROUND_DOWN)
+            return f"{value}{suffix}"
+    return "0"
+
+
 def _render(rows: list[list[str]]) -> str:
     # output is ASCII (psi, not the Greek letter): expecttest pins it inline, and only ASCII round-trips
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -404,6 +415,41 @@ def format_plan(plan: Plan) -> str:
         "states = params + grads + optim; working = transient unsharded bytes at the backward peak"
         " ('-': needs unit sizes); comm = collective volume per rank (all-reduce = 2psi; a ring sends"
         " (N-1)/N of it)."
+    )
+    return "\n".join([head, _render(rows), foot])
+
+
+def machine_fit(plan: Plan, ram_bytes: float, disk_bytes: float, ranks_per_node: int) -> str:
+    """Whether each strategy's model states fit a node's RAM (states in memory, the CPU as the
+    device or CPU offload) or its disk (disk offload: the states in files, RAM holds only the
+    working set), and the largest parameter count that would, at this plan's bytes per parameter.
+
+    Ignores the working set (it needs unit sizes) and the page cache, which the kernel reclaims.
+    The disk tier is modelled where every state is sharded at the step's peak (FULL_SHARD,
+    HYBRID_SHARD); the others hold whole params or grads in RAM during the step.
+    """
+    rows = [["strategy", "states/node", "in RAM", "largest in RAM", "on disk", "largest on disk"]]
+    for e in plan.estimates:
+        per_node = e.states_nbytes * ranks_per_node
+        per_param = per_node / plan.numel if plan.numel else 0.0
+        on_disk = e.sharding.shards_params and e.sharding.shards_grads
+        rows.append(
+            [e.sharding.name, _gb(per_node), "yes" if per_node <= ram_bytes else "no"]
+            + [_largest(ram_bytes / per_param) if per_param else "-"]
+            + (
+                ["yes" if per_node <= disk_bytes else "no"]
+                + [_largest(disk_bytes / per_param) if per_param else "-"]
+                if on_disk
+                else ["not modelled", "-"]
+            )
+        )
+    head = (
+        f"A node of {_gb(ram_bytes)} GB RAM and {_gb(disk_bytes)} GB free disk, {ranks_per_node}"
+        f" rank(s) a node; states/node = per-rank states x ranks a node."
+    )
+    foot = (
+        "largest: the parameter count whose states fill it, at these bytes per parameter (the"
+        " working set and the page cache not counted)."
     )
     return "\n".join([head, _render(rows), foot])
 
@@ -443,6 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grad-bytes", type=int, help="bytes per grad element (default params')")
     parser.add_argument("--optim-bytes", type=int, help="K: optimizer bytes/param (default AdamW)")
     parser.add_argument("--offload", action="store_true", help="params/grads/optimizer on the CPU")
+    parser.add_argument("--ram-gb", type=float, help="a node's RAM, GB: say where the states fit")
+    parser.add_argument("--disk-gb", type=float, help="a node's free disk for offload_dir, GB")
+    parser.add_argument("--ranks-per-node", type=int, help="default: the world size")
     parser.add_argument(
         "--paper",
         action="store_true",
@@ -467,6 +516,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.params, args.world_size, shard_size=args.shard_size, offload=args.offload, **kwargs
     )
     print(format_plan(plan))
+    if args.ram_gb is not None or args.disk_gb is not None:
+        ram, disk = (args.ram_gb or 0.0) * GB, (args.disk_gb or 0.0) * GB
+        print()
+        print(machine_fit(plan, ram, disk, args.ranks_per_node or args.world_size))
     return 0
 
 

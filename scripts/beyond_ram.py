@@ -129,16 +129,28 @@ def batch(rank: int, cfg: GPTConfig, micro: int) -> tuple[torch.Tensor, torch.Te
 
 
 class Watchdog(threading.Thread):
-    """Ends the process (exit 3, naming the figures) if MemAvailable falls under a floor."""
+    """Ends the process (exit 3, naming the figures) if MemAvailable falls under a floor; records
+    this rank's RSS and storage traffic every half second for the timeline plot."""
 
     def __init__(self, rank: int, floor: int) -> None:
         super().__init__(daemon=True)
         self.rank, self.floor, self.lowest = rank, floor, meminfo()["MemAvailable"]
+        self.start_time = time.perf_counter()
+        self.samples: list[tuple[float, int, int, int]] = []  # (s, RSS, read_bytes, write_bytes)
+        self.marks: list[tuple[float, str]] = []  # (s, "init" / "step 0" / ... / "end")
+
+    def mark(self, label: str) -> None:
+        self.marks.append((time.perf_counter() - self.start_time, label))
 
     def run(self) -> None:
         while True:
             available = meminfo()["MemAvailable"]
             self.lowest = min(self.lowest, available)
+            now = time.perf_counter() - self.start_time
+            if not self.samples or now - self.samples[-1][0] >= 0.5:
+                io = io_counters()
+                rss = proc_status()["VmRSS"]
+                self.samples.append((now, rss, io["read_bytes"], io["write_bytes"]))
             if available < self.floor:
                 status = proc_status()
                 print(
@@ -180,6 +192,7 @@ def rank_main(rank: int, args: argparse.Namespace, cfg: GPTConfig, mode: str, ou
     show = rank == 0 and mode == "disk"
     total = param_count(cfg)
     bar = tqdm(total=total, unit="param", unit_scale=True, desc="init", disable=not show)
+    watchdog.mark("init")
     with torch.device("meta"):
         model = TinyLM(cfg)
     offload = CPUOffload(offload_params=True, offload_dir=args.dir if mode == "disk" else None)
@@ -213,6 +226,7 @@ def rank_main(rank: int, args: argparse.Namespace, cfg: GPTConfig, mode: str, ou
     rows = []
     for step in range(args.steps):
         progress = tqdm(total=ticks, desc=f"step {step}", disable=not show, mininterval=2)
+        watchdog.mark(f"step {step}")
         dist.barrier()
         reset_peak()
         io0, use0, t0 = io_counters(), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -251,7 +265,9 @@ def rank_main(rank: int, args: argparse.Namespace, cfg: GPTConfig, mode: str, ou
             )
     shard_numel = sum(p.to_local().numel() for p in model.parameters())
     result = dict(rank=rank, mode=mode, init_s=init_s, shard_numel=shard_numel, steps=rows)
+    watchdog.mark("end")
     result["lowest_available"] = watchdog.lowest
+    result["timeline"] = dict(samples=watchdog.samples, marks=watchdog.marks)
     if mode == "disk":
         disk_offload.close(model)  # multiprocessing children skip atexit
     leave_together()
@@ -278,6 +294,7 @@ def main() -> None:
     parser.add_argument("--dd-gib", type=float, default=4.0)
     parser.add_argument("--min-available-gib", type=float, default=1.0)
     parser.add_argument("--out", default="benchmarks/results/beyond_ram")
+    parser.add_argument("--plot", help="a PNG of RSS and disk traffic over time (matplotlib)")
     args = parser.parse_args()
 
     cfg = plan(args)
@@ -313,8 +330,40 @@ def main() -> None:
         json.dumps(meta | dict(summary=report["summary"], disk=disk, memory=memory), indent=1)
     )
     out.with_suffix(".txt").write_text(f"$ {command}\n{report['text']}\n")
+    if args.plot:
+        plot_timeline(disk, args.plot)
     if report["summary"]["rss_ratio"] > RSS_SLACK:
         raise SystemExit("beyond_ram: the RSS bound was not held (see the report)")
+
+
+def plot_timeline(ranks: list[dict], path: str) -> None:
+    """RSS, and the bytes read and written so far, of each rank over the run; phases marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rss_ax, io_ax) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for r in ranks:
+        t, rss, read, write = zip(*r["timeline"]["samples"])
+        rss_ax.plot(t, [b / GIB for b in rss], label=f"rank {r['rank']}")
+        io_ax.plot(t, [(b - read[0]) / GIB for b in read], label=f"rank {r['rank']} read")
+        io_ax.plot(
+            t, [(b - write[0]) / GIB for b in write], "--", label=f"rank {r['rank']} written"
+        )
+    for when, label in ranks[0]["timeline"]["marks"]:
+        for ax in (rss_ax, io_ax):
+            ax.axvline(when, color="grey", lw=0.5)
+        rss_ax.text(when, 0, f" {label}", rotation=90, va="bottom", fontsize=7)
+    rss_ax.set_ylabel("RSS, GiB")
+    rss_ax.set_ylim(bottom=0)
+    io_ax.set_ylabel("storage I/O so far, GiB")
+    io_ax.set_xlabel("seconds (rank 0's marks: init, each step, end)")
+    rss_ax.legend(fontsize=7)
+    io_ax.legend(fontsize=7, ncol=2)
+    fig.suptitle("scripts/beyond_ram.py: per rank, /proc/self/status VmRSS and /proc/self/io")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def summarize(args, cfg, floor_cfg, bandwidth, disk, memory) -> dict:

@@ -174,3 +174,24 @@ def test_cli_runs_as_a_module():
         check=True,
     )
     assert "31.4" in result.stdout and "16.6" in result.stdout
+
+
+class TestMachineFit(expecttest.TestCase):
+    def test_the_run_past_ram_fits_this_machines_disk_not_its_ram(self):
+        # scripts/beyond_ram.py's model on this machine (docs/disk_offload.md): 1.81B fp32 params
+        # with AdamW on 2 ranks, 25.3 GB of RAM, 64 GB of free disk.
+        self.assertExpectedInline(
+            _run_main(
+                "--params", "1.81B", "--world-size", "2", "--ram-gb", "25.3", "--disk-gb", "64"
+            ).split("\n\n")[1],
+            """\
+A node of 25.3 GB RAM and 64 GB free disk, 2 rank(s) a node; states/node = per-rank states x ranks a node.
+strategy       states/node  in RAM  largest in RAM  on disk       largest on disk
+NO_SHARD       57.9         no      790M            not modelled  -
+SHARD_OPTIM    43.4         no      1.05B           not modelled  -
+SHARD_GRAD_OP  36.2         no      1.26B           not modelled  -
+FULL_SHARD     29           no      1.58B           yes           4.00B
+HYBRID_SHARD   29           no      1.58B           yes           4.00B
+largest: the parameter count whose states fill it, at these bytes per parameter (the working set and the page cache not counted).
+""",
+        )
