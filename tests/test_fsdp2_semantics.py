@@ -731,6 +731,34 @@ def _check_unsynced_grads_of_a_unit_the_synced_backward_skips(rank: int, world_s
         )
 
 
+def _check_replicate_over_units_given_as_ignored_modules(rank: int, world_size: int) -> None:
+    """torch's composable ``replicate`` over a root whose blocks are fsdp_lite units: torch's
+    ``replicate`` finds its own ``fully_shard`` units in a registry fsdp_lite does not write
+    (docs/fsdp2.md), so the user names ours in ``ignored_modules``; that trains bitwise torch's
+    ``replicate`` over torch's units."""
+    from torch.distributed._composable.replicate import replicate
+
+    def train(api) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM), nn.Linear(DIM, 4)
+        )
+        api.fully_shard(model[0])
+        api.fully_shard(model[2])
+        replicate(model, ignored_modules=[model[0], model[2]] if api is fsdp_lite else None)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        record = []
+        for _ in range(3):
+            model(torch.randn(4, DIM, generator=g)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            record.append([_full(p.detach()).clone() for p in model.parameters()])
+        return record
+
+    _assert_same_records(train(fsdp_lite), train(torch_fsdp), "replicate over units")
+
+
 CHECKS = {
     "all_gather_extension_refused": _check_all_gather_extension_is_refused,
     "structured_activations": _check_structured_activations,
@@ -745,6 +773,7 @@ CHECKS = {
     "post_accumulate_grad_hooks": _check_post_accumulate_grad_hooks_run_on_sharded_params,
     "dtype_conversion_after_fully_shard": _check_dtype_conversion_after_fully_shard,
     "unsynced_grads_of_a_skipped_unit": _check_unsynced_grads_of_a_unit_the_synced_backward_skips,
+    "replicate_over_units": _check_replicate_over_units_given_as_ignored_modules,
 }
 
 

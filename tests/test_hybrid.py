@@ -46,7 +46,11 @@ def _hybrid_rank(rank: int, world_size: int, strategy_name: str, how: str) -> No
             losses = [loss_fn("lm", m(x), y) for m in (ddp, fsdp)]
             for loss in losses:
                 loss.backward()
-        assert_close(losses[1], losses[0], what=f"step {step} loss", rtol=0, atol=0)
+        # Step 0 runs the same params on the same batch: the same bits. Later steps run params
+        # that carry the summation-order differences above (which ones round differently depends
+        # on the CPU's kernels: bitwise on one machine, 1 ulp off on an AMD EPYC).
+        exact = dict(rtol=0, atol=0) if step == 0 else VS_DDP
+        assert_close(losses[1], losses[0], what=f"step {step} loss", **exact)
         units = len(FSDP.fsdp_modules(fsdp))
         # Per unit: the reduce-scatter in the shard group, then the all-reduce of its 1/N
         # result across replicas.
