@@ -21,8 +21,6 @@ them. ``step(optimizer)`` calls ``optimizer.step()`` once per unit with each par
 to that unit's parameters, so at most one unit's pages are mapped at a time. Each parameter's
 update is the same arithmetic on the same state (Adam's ``step`` count is per parameter), so the
 result is bitwise the same; optimizers that combine parameters (LBFGS) must use a plain step.
-While one unit steps, the next unit's files are read ahead (``MADV_WILLNEED``: into the page
-cache, not mapped, so not in RSS), so its reads overlap this unit's arithmetic and write-back.
 
 Note [Files a crash leaves behind]: each rank writes into a new directory named after the host, the
 pid and a random suffix, and only ever opens files it created there, so stale files are never read.
@@ -364,20 +362,14 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     groups = optimizer.param_groups
     saved = [group["params"] for group in groups]
     chunks: dict[object, set[int]] = {}  # unit key (None: not on disk) -> param ids
-    unit_files: dict[object, list[ParamFiles]] = {}
     for params in saved:
         for p in params:
             files = store.files_of(p)
             unit = files.unit_key if files is not None else None
             chunks.setdefault(unit, set()).add(id(p))
-            if files is not None:
-                unit_files.setdefault(unit, []).append(files)
     rest = chunks.pop(None, None)
-    ahead = [*unit_files.values()][1:]  # each unit's successor, read ahead during its step
     try:
-        for i, chunk in enumerate([*chunks.values(), *([rest] if rest else [])]):
-            for files in ahead[i] if i < len(ahead) else ():
-                files.prefetch()
+        for chunk in [*chunks.values(), *([rest] if rest else [])]:
             for group, params in zip(groups, saved):
                 group["params"] = [p for p in params if id(p) in chunk]
             optimizer.step()
