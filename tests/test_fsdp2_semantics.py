@@ -759,6 +759,42 @@ def _check_replicate_over_units_given_as_ignored_modules(rank: int, world_size: 
     _assert_same_records(train(fsdp_lite), train(torch_fsdp), "replicate over units")
 
 
+class _SomeUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused, self.rank0_only = (nn.Linear(DIM, DIM) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, rank: int, with_rank0_only: bool) -> torch.Tensor:
+        y = self.used(x)
+        return y + self.rank0_only(x) if with_rank0_only and rank == 0 else y
+
+
+def _check_unused_params_under_set_reduce_scatter_unused_params(rank: int, world_size: int) -> None:
+    """set_reduce_scatter_unused_params: True gives a parameter no rank used a zero gradient and
+    reduces one that only rank 0 used with zeros from the others, as torch's; False (torch's
+    default) leaves the unused one None. Only True lets ranks differ in torch."""
+
+    def run(api, flag: bool, with_rank0_only: bool) -> list:
+        torch.manual_seed(0)
+        model = _SomeUnused()
+        api.fully_shard(model.used)
+        api.fully_shard(model)  # unused and rank0_only: the root's
+        model.set_reduce_scatter_unused_params(flag)
+        g = torch.Generator().manual_seed(rank)
+        record = []
+        for _ in range(2):
+            model(torch.randn(2, DIM, generator=g), rank, with_rank0_only).sum().backward()
+            record.append(_grads(model))
+        return record
+
+    for flag, with_rank0_only in ((True, True), (True, False), (False, False)):
+        _assert_same_records(
+            run(fsdp_lite, flag, with_rank0_only),
+            run(torch_fsdp, flag, with_rank0_only),
+            f"set_reduce_scatter_unused_params({flag}), rank0_only used: {with_rank0_only}",
+        )
+
+
 CHECKS = {
     "all_gather_extension_refused": _check_all_gather_extension_is_refused,
     "structured_activations": _check_structured_activations,
@@ -774,6 +810,7 @@ CHECKS = {
     "dtype_conversion_after_fully_shard": _check_dtype_conversion_after_fully_shard,
     "unsynced_grads_of_a_skipped_unit": _check_unsynced_grads_of_a_unit_the_synced_backward_skips,
     "replicate_over_units": _check_replicate_over_units_given_as_ignored_modules,
+    "unused_params": _check_unused_params_under_set_reduce_scatter_unused_params,
 }
 
 

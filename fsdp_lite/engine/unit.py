@@ -29,7 +29,10 @@ Note [Unused parameters]: a parameter unused in this forward has no gradient on 
 may have one on another. Every rank must join the same collective, so it contributes zeros, and
 each rank also sends a 1 or 0 per parameter in the same buffer ("had a gradient"). After the
 reduction a parameter gets a gradient if any rank had one, and keeps ``None`` only if no rank did:
-what DDP with ``find_unused_parameters=True`` does, with no extra collective.
+what DDP with ``find_unused_parameters=True`` does, with no extra collective. torch FSDP2 leaves
+out the parameters without a gradient on this rank (ranks that differ then mismatch) unless
+``set_reduce_scatter_unused_params(True)``, which reduces zeros for them and gives even a
+parameter no rank used a zero gradient; ``UnitSettings.lands_unused_grads`` is that last part.
 
 Note [ZeRO-1]: under SHARD_OPTIM the unsharded params are never freed and gradients are all-reduced,
 so every rank holds whole params and whole averaged gradients, as in DDP. Between steps the modules
@@ -212,6 +215,9 @@ class UnitSettings:
     # Run the sharded params' post-accumulate-grad hooks once their reduced gradient lands
     # (torch FSDP2; torch FSDP1 does not).
     runs_sharded_grad_hooks: bool = False
+    # True (FSDP2's set_reduce_scatter_unused_params): a parameter no rank used still gets its
+    # reduced zeros as a gradient, where by default it keeps None (Note [Unused parameters]).
+    lands_unused_grads: bool = False
 
     def take_post_optim_event(self) -> Any:
         """The event to wait for, once: the next forward's gathers wait for it, the later ones
@@ -1015,7 +1021,7 @@ class ShardedUnit:
         landed = []
         for p, used in zip(self.trainable, used_counts):
             numel = self.reduction.piece_numel(p)
-            if used > 0:
+            if used > 0 or self.settings.lands_unused_grads:
                 self.reduction.land(p, output[offset : offset + numel], keep_dtype)
                 landed.append(p)
             offset += numel

@@ -576,6 +576,15 @@ class FSDPModule(TorchFSDPModule):
         for m in self._owners(recurse):
             m._unit.settings.requires_all_reduce = requires_all_reduce
 
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """True: a parameter that received no gradient on any rank gets a zero gradient, as
+        torch's does. Either way a parameter some ranks used is reduced with zeros from the
+        others (torch needs True for that; Note [Unused parameters] in unit.py)."""
+        for m in self._owners(recurse):
+            m._unit.settings.lands_unused_grads = reduce_scatter_unused_params
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: this module's backward needs none of its parameters (an embedding: its weight's
         gradient reads only the indices and the output's gradient), so it all-gathers nothing."""
@@ -725,7 +734,6 @@ for _name in (
     "set_custom_all_gather",
     "set_custom_reduce_scatter",
     "set_all_reduce_hook",
-    "set_reduce_scatter_unused_params",
     "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",
     "set_allocate_memory_from_process_group_for_comm",
