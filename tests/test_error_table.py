@@ -607,6 +607,12 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "fully_shard_siblings_share_a_param": _fully_shard_siblings_sharing_a_param,
     "mesh_3d": lambda c: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 2, 1))),
     "prefetch_a_plain_module": _prefetch_a_plain_module,
+    "max_input_buffers_bool": lambda c: fully_shard(
+        nn.Linear(4, 4)
+    ).set_reduce_scatter_max_input_buffers(True),
+    "max_input_buffers_zero": lambda c: fully_shard(
+        nn.Linear(4, 4)
+    ).set_reduce_scatter_max_input_buffers(0),
     "torch_reads_a_state_attribute": _torch_reads_a_state_attribute,
     "tp_placement_partial": _tp_placement_partial,
     "tp_with_hsdp": _tp_with_hsdp,

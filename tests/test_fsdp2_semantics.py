@@ -795,6 +795,48 @@ def _check_unused_params_under_set_reduce_scatter_unused_params(rank: int, world
         )
 
 
+def _check_reductions_in_flight_under_set_reduce_scatter_max_input_buffers(
+    rank: int, world_size: int
+) -> None:
+    """set_reduce_scatter_max_input_buffers(2): each unit's reduce-scatter is still in flight
+    when the next one is issued and landed before the one after; by default it lands before the
+    next is issued. The gradients are the same bits either way, and torch's."""
+    from fsdp_lite.trace import record_collectives
+
+    def run(api, buffers: int | None) -> tuple[list, list]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(4)))
+        for layer in model:
+            api.fully_shard(layer)
+        api.fully_shard(model)
+        if buffers is not None:
+            model.set_reduce_scatter_max_input_buffers(buffers)
+        g = torch.Generator().manual_seed(rank)
+        record, spans = [], []
+        for _ in range(2):
+            x = torch.randn(2, DIM, generator=g)
+            if api is fsdp_lite:
+                with record_collectives(model) as trace:
+                    model(x).sum().backward()
+                spans.append([r for r in trace.records if r.kind == "reduce_scatter"])
+            else:
+                model(x).sum().backward()
+            record.append(_grads(model))
+        return record, spans
+
+    reference, _ = run(torch_fsdp, 2)
+    for buffers in (None, 2):
+        record, spans = run(fsdp_lite, buffers)
+        _assert_same_records(record, reference, f"max_input_buffers={buffers}")
+        for rs in spans:
+            assert len(rs) == 4, rs  # the root holds no parameters
+            for i in range(len(rs) - 1):
+                kept = rs[i].end > rs[i + 1].start
+                assert kept == (buffers == 2), (buffers, i, rs)
+                if i + 2 < len(rs):
+                    assert rs[i].end <= rs[i + 2].start, (buffers, i, rs)
+
+
 CHECKS = {
     "all_gather_extension_refused": _check_all_gather_extension_is_refused,
     "structured_activations": _check_structured_activations,
@@ -811,6 +853,7 @@ CHECKS = {
     "unsynced_grads_of_a_skipped_unit": _check_unsynced_grads_of_a_unit_the_synced_backward_skips,
     "replicate_over_units": _check_replicate_over_units_given_as_ignored_modules,
     "unused_params": _check_unused_params_under_set_reduce_scatter_unused_params,
+    "reductions_in_flight": _check_reductions_in_flight_under_set_reduce_scatter_max_input_buffers,
 }
 
 

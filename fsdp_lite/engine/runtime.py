@@ -408,9 +408,12 @@ class StepRuntime:
 
         A reduction in flight holds its unit's whole gradient buffer until it lands. The previous
         one has had this unit's whole backward to finish: advance it before packing this one, so
-        one such buffer is alive at a time, not the whole model's.
+        one such buffer is alive at a time, not the whole model's; or, with
+        ``UnitSettings.reductions_in_flight`` at K, leave the newest K - 1 in flight (more memory,
+        a collective that may take longer than a unit's backward no longer waited on there).
         """
-        self._advance_in_flight()
+        keep = max(u.settings.reductions_in_flight for u in self.units) - 1
+        self._advance_in_flight(keep)
         self._start_reduce(unit)
 
     def _start_reduce(self, unit: ShardedUnit) -> None:
@@ -420,13 +423,17 @@ class StepRuntime:
         self.record(unit).reduced = True
         self._unreduced.discard(unit)
 
-    def _advance_in_flight(self) -> None:
-        """Advance every reduction in flight one collective, oldest first (unit.advance_reduce)."""
-        in_flight, self._in_flight = self._in_flight, []
+    def _advance_in_flight(self, keep: int = 0) -> None:
+        """Advance every reduction in flight one collective, oldest first (unit.advance_reduce),
+        but the newest ``keep``, which stay as they are."""
+        cut = max(len(self._in_flight) - keep, 0)
+        in_flight, kept = self._in_flight[:cut], self._in_flight[cut:]
+        self._in_flight = []
         for pending in in_flight:
             following = pending.unit.advance_reduce(pending)
             if following is not None:
                 self._in_flight.append(following)
+        self._in_flight.extend(kept)
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what the hooks could not, land every gradient, reshard all."""

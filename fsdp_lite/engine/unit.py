@@ -218,6 +218,11 @@ class UnitSettings:
     # True (FSDP2's set_reduce_scatter_unused_params): a parameter no rank used still gets its
     # reduced zeros as a gradient, where by default it keeps None (Note [Unused parameters]).
     lands_unused_grads: bool = False
+    # How many gradient reductions may be in flight at once, each holding its unit's whole
+    # gradient buffer (FSDP2's set_reduce_scatter_max_input_buffers; the runtime takes the
+    # largest any unit asks for, as torch's shared communication context does). 1: a unit's
+    # reduction is advanced when the next unit's starts.
+    reductions_in_flight: int = 1
 
     def take_post_optim_event(self) -> Any:
         """The event to wait for, once: the next forward's gathers wait for it, the later ones

@@ -585,6 +585,21 @@ class FSDPModule(TorchFSDPModule):
         for m in self._owners(recurse):
             m._unit.settings.lands_unused_grads = reduce_scatter_unused_params
 
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many gradient reductions may be in flight at once, each holding its unit's
+        gradient buffer (default 1); the largest any unit of the model asks for applies, as in
+        torch. Memory against overlap: the numbers are the same."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for m in self._owners(recurse):
+            m._unit.settings.reductions_in_flight = max_input_buffers
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: this module's backward needs none of its parameters (an embedding: its weight's
         gradient reads only the indices and the output's gradient), so it all-gathers nothing."""
@@ -734,7 +749,6 @@ for _name in (
     "set_custom_all_gather",
     "set_custom_reduce_scatter",
     "set_all_reduce_hook",
-    "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",
     "set_allocate_memory_from_process_group_for_comm",
     "set_symm_mem_for_comm",
