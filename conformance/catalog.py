@@ -214,8 +214,8 @@ CATALOG: tuple[Bug, ...] = (
         "pytorch/pytorch#95315 / #94835 (clip_grad_norm_ when a rank has no local gradients)",
         P(
             "engine/unit.py",
-            "            if used > 0:\n                self.reduction.land(p, output[offset : offset + numel], keep_dtype)\n",
-            "            if used > 0 and p.is_sharded and p.local_numel == 0:  # planted\n                offset += numel\n                continue\n            if used > 0:\n                self.reduction.land(p, output[offset : offset + numel], keep_dtype)\n",
+            "            if used > 0 or self.settings.lands_unused_grads:\n                self.reduction.land(p, output[offset : offset + numel], keep_dtype)\n",
+            "            if used > 0 and p.is_sharded and p.local_numel == 0:  # planted\n                offset += numel\n                continue\n            if used > 0 or self.settings.lands_unused_grads:\n                self.reduction.land(p, output[offset : offset + numel], keep_dtype)\n",
         ),
         first=("*/FULL_SHARD/fp32/plain/mlp/*",),
         world_size=4,
@@ -457,7 +457,7 @@ CATALOG: tuple[Bug, ...] = (
         "pytorch/pytorch#87308 (FSDP grad zero vs. None edge case)",
         P(
             "engine/unit.py",
-            "            if used > 0:\n                self.reduction.land(p, output[offset : offset + numel], keep_dtype)\n",
+            "            if used > 0 or self.settings.lands_unused_grads:\n                self.reduction.land(p, output[offset : offset + numel], keep_dtype)\n",
             "            if used > 0 or p.is_sharded:  # planted\n                self.reduction.land(p, output[offset : offset + numel], keep_dtype)\n",
         ),
         first=("*/FULL_SHARD/fp32/plain/unused/*",),
