@@ -419,6 +419,12 @@ def format_plan(plan: Plan) -> str:
     return "\n".join([head, _render(rows), foot])
 
 
+def _fit(per_node: float, per_param: float, budget: float) -> list[str]:
+    """Whether states of ``per_node`` bytes fit ``budget``, and the largest count that would."""
+    largest = _largest(budget / per_param) if per_param else "-"
+    return ["yes" if per_node <= budget else "no", largest]
+
+
 def machine_fit(plan: Plan, ram_bytes: float, disk_bytes: float, ranks_per_node: int) -> str:
     """Whether each strategy's model states fit a node's RAM (states in memory, the CPU as the
     device or CPU offload) or its disk (disk offload: the states in files, RAM holds only the
@@ -433,16 +439,8 @@ def machine_fit(plan: Plan, ram_bytes: float, disk_bytes: float, ranks_per_node:
         per_node = e.states_nbytes * ranks_per_node
         per_param = per_node / plan.numel if plan.numel else 0.0
         on_disk = e.sharding.shards_params and e.sharding.shards_grads
-        rows.append(
-            [e.sharding.name, _gb(per_node), "yes" if per_node <= ram_bytes else "no"]
-            + [_largest(ram_bytes / per_param) if per_param else "-"]
-            + (
-                ["yes" if per_node <= disk_bytes else "no"]
-                + [_largest(disk_bytes / per_param) if per_param else "-"]
-                if on_disk
-                else ["not modelled", "-"]
-            )
-        )
+        disk = _fit(per_node, per_param, disk_bytes) if on_disk else ["not modelled", "-"]
+        rows.append([e.sharding.name, _gb(per_node), *_fit(per_node, per_param, ram_bytes), *disk])
     head = (
         f"A node of {_gb(ram_bytes)} GB RAM and {_gb(disk_bytes)} GB free disk, {ranks_per_node}"
         f" rank(s) a node; states/node = per-rank states x ranks a node."
