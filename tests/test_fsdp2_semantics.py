@@ -800,16 +800,20 @@ def _check_reductions_in_flight_under_set_reduce_scatter_max_input_buffers(
 ) -> None:
     """set_reduce_scatter_max_input_buffers(2): each unit's reduce-scatter is still in flight
     when the next one is issued and landed before the one after; by default it lands before the
-    next is issued. The gradients are the same bits either way, and torch's."""
+    next is issued. Set on one unit only (recurse=False), the units share one pipeline whose
+    depth is the largest any unit asks for (torch's resolution to the max). The gradients are
+    the same bits every way, and torch's."""
     from fsdp_lite.trace import record_collectives
 
-    def run(api, buffers: int | None) -> tuple[list, list]:
+    def run(api, buffers: int | None, first_only: bool = False) -> tuple[list, list]:
         torch.manual_seed(0)
         model = nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(4)))
         for layer in model:
             api.fully_shard(layer)
         api.fully_shard(model)
-        if buffers is not None:
+        if first_only:
+            model[0].set_reduce_scatter_max_input_buffers(buffers, recurse=False)
+        elif buffers is not None:
             model.set_reduce_scatter_max_input_buffers(buffers)
         g = torch.Generator().manual_seed(rank)
         record, spans = [], []
@@ -825,9 +829,9 @@ def _check_reductions_in_flight_under_set_reduce_scatter_max_input_buffers(
         return record, spans
 
     reference, _ = run(torch_fsdp, 2)
-    for buffers in (None, 2):
-        record, spans = run(fsdp_lite, buffers)
-        _assert_same_records(record, reference, f"max_input_buffers={buffers}")
+    for buffers, first_only in ((None, False), (2, False), (2, True)):
+        record, spans = run(fsdp_lite, buffers, first_only)
+        _assert_same_records(record, reference, f"max_input_buffers={buffers} {first_only=}")
         for rs in spans:
             assert len(rs) == 4, rs  # the root holds no parameters
             for i in range(len(rs) - 1):
