@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--vocab", "61", "--seq-len", "15"]
 TINY += ["--batch", "2", "--steps", "2", "--rounds", "1", "--warmup", "1", "--precision", "fp32"]
 SYSTEMS = ["single", "torch_fsdp2", "fsdp_lite/FULL_SHARD", "fsdp_lite/FULL_SHARD/collectives"]
+MUON = ["fsdp_lite/FULL_SHARD/muon", "fsdp_lite/fully_shard/muon", "torch_fsdp2/muon"]
 
 
 # A rank has died, rarely, at interpreter exit: "terminate called without an active exception"
@@ -115,25 +116,32 @@ def test_fsdp_lite_full_shard_sends_zero3_theory_within_padding(report):
         assert lite["final_loss_rank0"] == fsdp2["final_loss_rank0"], name
 
 
-def test_interleaved_systems_train_as_they_do_alone(report, tmp_path):
+@pytest.fixture(scope="module")
+def interleaved(tmp_path_factory) -> dict:
+    """The default mode, the Muon rows beside the others (one launch for both tests below)."""
+    return run_bench(
+        tmp_path_factory.mktemp("interleaved") / "bench.json",
+        "--systems",
+        ",".join(SYSTEMS + MUON),
+    )
+
+
+def test_interleaved_systems_train_as_they_do_alone(report, interleaved):
     # All systems live at once and step in turn; none may disturb another's training.
-    interleaved = run_bench(tmp_path / "bench.json", "--systems", ",".join(SYSTEMS))  # the default
     assert interleaved["config"]["interleaved"] is True
+    assert [r["system"] for r in interleaved["results"]] == SYSTEMS + MUON
     for alone, together in zip(report["results"], interleaved["results"]):
         assert together["system"] == alone["system"]
         assert together["final_loss_rank0"] == alone["final_loss_rank0"], together["system"]
         assert together["sent_nbytes"] == alone["sent_nbytes"], together["system"]
 
 
-def test_muon_rows_count_two_exchanges_of_the_formulas_bytes(tmp_path):
+def test_muon_rows_count_two_exchanges_of_the_formulas_bytes(interleaved):
     """fsdp_lite.Muon (both fronts): per optimizer step two all_to_all (CommDebugMode), each rank
     handing them docs/muon.md's bytes (the trace); the same training on both fronts. torch FSDP2 +
     torch.optim.Muon issues DTensor's collectives instead, and trains otherwise."""
-    muon = ["fsdp_lite/FULL_SHARD/muon", "fsdp_lite/fully_shard/muon", "torch_fsdp2/muon"]
-    report = run_bench(
-        tmp_path / "muon.json", "--systems", ",".join(["fsdp_lite/FULL_SHARD", *muon])
-    )
-    rows = {r["system"]: r for r in report["results"]}
+    muon = MUON
+    rows = {r["system"]: r for r in interleaved["results"]}
     adamw = rows["fsdp_lite/FULL_SHARD"]
     assert adamw["optimizer"] == "adamw" and adamw["optim_collectives_per_step"] == {}
     for name in muon:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import baseline
+from conformance import baseline, cli
 
 REPO = Path(__file__).resolve().parents[1]
 MLP_CASES = ["--only", "*/FULL_SHARD/fp32/plain/mlp/*", "--only", "*/NO_SHARD/fp32/plain/mlp/*"]
@@ -62,11 +62,30 @@ def _conformance(args: list[str], cwd: Path, timeout: float = 240) -> subprocess
     return _run(["-m", "conformance", *args], cwd, timeout)
 
 
+def _fill_user_tree(tree: Path) -> Path:
+    (tree / "my_adapters.py").write_text(BROKEN_ADAPTERS)
+    (tree / "test_mine.py").write_text("def test_my_own_test():\n    assert True\n")
+    return tree
+
+
 @pytest.fixture
 def user_tree(tmp_path: Path) -> Path:
-    (tmp_path / "my_adapters.py").write_text(BROKEN_ADAPTERS)
-    (tmp_path / "test_mine.py").write_text("def test_my_own_test():\n    assert True\n")
-    return tmp_path
+    return _fill_user_tree(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def mlp_reports(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A user tree holding clean.json (fsdp_lite on MLP_CASES) and broken.json (HalfGrads under
+    fsdp_lite's name, compared to clean.json): the baselines of --compare-to and of the plugin."""
+    tree = _fill_user_tree(tmp_path_factory.mktemp("user"))
+    clean = _conformance([*MLP_CASES, "--json", "clean.json"], tree)
+    assert clean.returncode == 0, clean.stdout[-3000:]
+    broken = _conformance(
+        ["--impl", "my_adapters:HalfGradsAsFsdpLite", *MLP_CASES]
+        + ["--compare-to", "clean.json", "--json", "broken.json", "--markdown", "broken.md"],
+        tree,
+    )
+    return tree, broken
 
 
 # ---- the pytest plugin -----------------------------------------------------------------------
@@ -119,19 +138,17 @@ def test_pytest_plugin_gives_one_test_per_case_with_stages_in_the_failure(user_t
 
 
 @pytest.mark.slow
-def test_pytest_plugin_by_p_runs_only_what_k_selects_and_marks_baseline_failures_xfail(user_tree):
-    listed = _conformance(["--list", "--impl", "fsdp_lite", *MLP_CASES], user_tree, timeout=120)
-    assert listed.stdout.split() == [
+def test_pytest_plugin_by_p_runs_only_what_k_selects_and_marks_baseline_failures_xfail(
+    mlp_reports, capsys
+):
+    user_tree, _ = mlp_reports
+    assert cli.main(["--list", "--impl", "fsdp_lite", *MLP_CASES]) == 0
+    assert capsys.readouterr().out.split() == [
         "fsdp_lite/NO_SHARD/fp32/plain/mlp/ws2",
         "fsdp_lite/FULL_SHARD/fp32/plain/mlp/ws2",
     ]
-    # A baseline in which the FULL_SHARD case failed: a failure known there is an xfail, and
-    # the NO_SHARD case (deselected by -k) must not run at all.
-    proc = _conformance(
-        ["--impl", "my_adapters:HalfGradsAsFsdpLite", *MLP_CASES, "--json", "base.json"],
-        user_tree,
-    )
-    assert proc.returncode == 1, proc.stdout[-3000:]
+    # A baseline in which the FULL_SHARD case failed (broken.json): a failure known there is an
+    # xfail, and the NO_SHARD case (deselected by -k) must not run at all.
     proc = _run(
         [
             "-m",
@@ -145,7 +162,7 @@ def test_pytest_plugin_by_p_runs_only_what_k_selects_and_marks_baseline_failures
             "my_adapters:HalfGradsAsFsdpLite",
             *(arg.replace("--only", "--conformance-only") for arg in MLP_CASES),
             "--conformance-compare-to",
-            "base.json",
+            "broken.json",
             "--conformance-json",
             "now.json",
             "-k",
@@ -223,12 +240,15 @@ def test_model_factory_errors_name_the_factory(tmp_path, monkeypatch):
 # ---- --shard -----------------------------------------------------------------------------------
 
 
-def test_shards_split_the_matrix_into_disjoint_deterministic_parts(tmp_path):
-    whole = _conformance(["--list", "--quick"], tmp_path, timeout=120).stdout.split()
-    parts = [
-        _conformance(["--list", "--quick", "--shard", f"{i}/2"], tmp_path, timeout=120).stdout
-        for i in (1, 2)
-    ]
+def test_shards_split_the_matrix_into_disjoint_deterministic_parts(tmp_path, capsys):
+    # Listing launches no rank: the command's main runs in this process (a subprocess per call
+    # would only add an interpreter start); the last call goes through the command line.
+    def listed(*args: str) -> str:
+        assert cli.main(["--list", *args]) == 0
+        return capsys.readouterr().out
+
+    whole = listed("--quick").split()
+    parts = [listed("--quick", "--shard", f"{i}/2") for i in (1, 2)]
     names = [[line for line in part.splitlines() if not line.startswith("note:")] for part in parts]
     assert names == [whole[0::2], whole[1::2]]  # round robin over the listed order
     assert parts[0].startswith(f"note: shard 1/2: {len(names[0])} cases of {len(whole)}")
@@ -240,14 +260,8 @@ def test_shards_split_the_matrix_into_disjoint_deterministic_parts(tmp_path):
 
 
 @pytest.mark.slow
-def test_compare_to_exits_2_on_regressions_and_3_on_improvements(user_tree):
-    clean = _conformance([*MLP_CASES, "--json", "clean.json"], user_tree)
-    assert clean.returncode == 0, clean.stdout[-3000:]
-    broken = _conformance(
-        ["--impl", "my_adapters:HalfGradsAsFsdpLite", *MLP_CASES]
-        + ["--compare-to", "clean.json", "--json", "broken.json", "--markdown", "broken.md"],
-        user_tree,
-    )
+def test_compare_to_exits_2_on_regressions_and_3_on_improvements(mlp_reports):
+    user_tree, broken = mlp_reports
     assert broken.returncode == baseline.EXIT_REGRESSED, broken.stdout[-3000:]
     doc = json.loads((user_tree / "broken.json").read_text())
     assert doc["exit_status"] == 2 and doc["comparison"]["exit_status"] == 2

@@ -27,7 +27,9 @@ from conformance.cli import parse_args
 from conformance.world_size import FEATURES, compare_runs, exit_status, format_table, ulps
 
 REPO = Path(__file__).resolve().parents[1]
-CANONICAL_STRATEGIES = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "SHARD_OPTIM"}
+# The command's plumbing at two strategies (HYBRID_SHARD: a 2-D mesh at 4 ranks); every strategy
+# of both fronts is bitwise across world sizes in tests/test_canonical.py.
+CANONICAL_STRATEGIES = {"FULL_SHARD", "HYBRID_SHARD"}
 assert set(FEATURES) == {"plain", "clip_grad_norm", "frozen_in_unit"}
 
 
@@ -73,11 +75,13 @@ def test_cli_canonical_is_bitwise_across_world_sizes_and_the_others_are_measured
         false_claim,
         left_fold,
         "--only",
-        "fsdp_lite_canonical/*",
+        "fsdp_lite_canonical/FULL_SHARD/*",
         "--only",
-        "*/FULL_SHARD/fp32/*",
+        "fsdp_lite_canonical/HYBRID_SHARD/*",
         "--only",
-        "ddp/*/fp32/*",
+        "*/FULL_SHARD/fp32/plain/*",
+        "--only",
+        "ddp/*/fp32/plain/*",
         "--json",
         str(out),
     ]
@@ -98,13 +102,13 @@ def test_cli_canonical_is_bitwise_across_world_sizes_and_the_others_are_measured
     # Only the false claim and the planted bug fail, so the command exits 1.
     assert proc.returncode == 1 == doc["exit_status"], log
     failed = [n for n, r in rows.items() if r["status"] not in ("passed", "measured")]
-    assert sorted(failed) == sorted(
-        [f"bug_left_fold_canonical/FULL_SHARD/fp32/{feature}/lm_untied" for feature in FEATURES]
-        + [f"false_invariant/FULL_SHARD/fp32/{feature}/lm_untied" for feature in FEATURES]
-    ), log
-    for feature in FEATURES:  # the bug shows where it sums more than 2 rows: at 4 ranks
-        bug = rows[f"bug_left_fold_canonical/FULL_SHARD/fp32/{feature}/lm_untied"]["world_sizes"]
-        assert bug["2"]["grads"]["bitwise"] and not bug["4"]["grads"]["bitwise"], bug
+    assert sorted(failed) == [
+        "bug_left_fold_canonical/FULL_SHARD/fp32/plain/lm_untied",
+        "false_invariant/FULL_SHARD/fp32/plain/lm_untied",
+    ], log
+    # The bug shows where it sums more than 2 rows: at 4 ranks.
+    bug = rows["bug_left_fold_canonical/FULL_SHARD/fp32/plain/lm_untied"]["world_sizes"]
+    assert bug["2"]["grads"]["bitwise"] and not bug["4"]["grads"]["bitwise"], bug
     assert "FAILED false_invariant/FULL_SHARD/fp32/plain/lm_untied" in proc.stdout
 
     canonical = [r for r in rows.values() if r["impl"] == "fsdp_lite_canonical"]
@@ -119,14 +123,14 @@ def test_cli_canonical_is_bitwise_across_world_sizes_and_the_others_are_measured
             for stage in per_stage.values():
                 assert stage["bitwise"] and stage["max_ulps"] == 0 == stage["max_abs"], r
     for impl in ("ddp", "fsdp_lite", "torch_fsdp2"):
-        for feature in FEATURES:
-            strategy = "-" if impl == "ddp" else "FULL_SHARD"
-            r = rows[f"{impl}/{strategy}/fp32/{feature}/lm_untied"]
-            assert r["status"] == "measured" and not r["invariant"], r
-            assert set(r["world_sizes"]) == {"2", "4"}, r
-            for per_stage in r["world_sizes"].values():
-                for stage in per_stage.values():
-                    assert isinstance(stage["max_ulps"], (int, float)), r
+        strategy = "-" if impl == "ddp" else "FULL_SHARD"
+        r = rows[f"{impl}/{strategy}/fp32/plain/lm_untied"]
+        assert r["status"] == "measured" and not r["invariant"], r
+        assert set(r["world_sizes"]) == {"2", "4"}, r
+        for per_stage in r["world_sizes"].values():
+            for stage in per_stage.values():
+                assert isinstance(stage["max_ulps"], (int, float)), r
+    assert len(rows) == 2 * 2 * len(FEATURES) + 5
     assert doc["config"]["world_sizes"] == [1, 2, 4] and doc["config"]["virtual_batches"] == 4
     assert set(doc["config"]["threads"].values()) == {1}
     assert re.search(r"\nfsdp_lite_canonical +HYBRID_SHARD +bf16r32 +plain +1->4 ", proc.stdout)
