@@ -140,25 +140,24 @@ def test_muon_rows_count_two_exchanges_of_the_formulas_bytes(interleaved):
     """fsdp_lite.Muon (both fronts): per optimizer step two all_to_all (CommDebugMode), each rank
     handing them docs/muon.md's bytes (the trace); the same training on both fronts. torch FSDP2 +
     torch.optim.Muon issues DTensor's collectives instead, and trains otherwise."""
-    muon = MUON
     rows = {r["system"]: r for r in interleaved["results"]}
     adamw = rows["fsdp_lite/FULL_SHARD"]
     assert adamw["optimizer"] == "adamw" and adamw["optim_collectives_per_step"] == {}
-    for name in muon:
+    for name in MUON:
         row = rows[name]
         assert row["optimizer"] == "muon" and row["optim_step_s"]["n"] == 2, name
         assert row["optim_step_s"]["median"] < row["step_s"]["median"], name
         # One momentum buffer per matrix where AdamW keeps two.
         assert row["state_nbytes"][0]["optim"] < adamw["state_nbytes"][0]["optim"], name
-    for name in muon[:2]:
+    for name in MUON[:2]:
         row = rows[name]
         assert row["optim_collectives_per_step"] == {"c10d.alltoall_base_": 2}, name
         for exchange in row["muon_exchange"]:
             assert exchange["exchanges_per_step"] == 2, name
             assert exchange["bytes_handed_to_all_to_all_per_step"] == exchange["formula_bytes"]
         assert sum(e["owned_matrices"] for e in row["muon_exchange"]) == 2 * 4 + 1  # and the head
-    assert rows[muon[0]]["muon_exchange"] == rows[muon[1]]["muon_exchange"]
-    assert rows[muon[0]]["final_loss_rank0"] == rows[muon[1]]["final_loss_rank0"]
+    assert rows[MUON[0]]["muon_exchange"] == rows[MUON[1]]["muon_exchange"]
+    assert rows[MUON[0]]["final_loss_rank0"] == rows[MUON[1]]["final_loss_rank0"]
     torch_muon = rows["torch_fsdp2/muon"]
     assert "muon_exchange" not in torch_muon
     assert torch_muon["optim_collectives_per_step"], "DTensor's Newton-Schulz communicates"
