@@ -1,17 +1,19 @@
 """The one multi-process launcher for tests: run a function on N gloo ranks and collect results.
 
-Each rank is a new process, forked from a clean forkserver that has imported torch and nothing of the
-test, so `fn` is pickled by name as under "spawn". It joins a gloo process group through a file
+Each rank is a new process, forked from a clean forkserver that has imported torch and fsdp_lite and
+nothing of the test, so `fn` is pickled by name as under "spawn". It joins a gloo process group through a file
 rendezvous in the test's tmp_path (no TCP ports), runs `fn(rank, world_size, *args)` and sends back
 the return value.
-The parent turns the first failure, hang or silent death into one AssertionError that names the rank,
-and always kills and reaps every rank before returning.
+The parent turns a failure, hang or silent death into one AssertionError that names its cause (a rank
+that died silently, else the rank that raised first, then the others in a line each), and always
+kills and reaps every rank before returning.
 """
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
+import math
 import os
 import signal
 import time
@@ -23,17 +25,22 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-# "forkserver", not "spawn": the server pays `import torch` once per pytest session, and a 2-rank
-# launch drops from ~3.5 s to ~0.5 s on 2 cores. Children still start from a process that never ran
-# test code, so the rules are spawn's: fn is module-level, args and results pickle. Unlike spawn,
-# os.environ changes made after the first launch don't reach the ranks, and ranks write to the
-# stdout/stderr the server was started with: pytest's session-wide capture (shown per test), never a
-# test's capfd.
+# "forkserver", not "spawn": the server pays `import torch` and `import fsdp_lite` (DTensor and
+# dynamo: 1.3 s more) once per pytest session, not each rank at each launch. A 2-rank launch of a
+# function that does nothing takes ~3.5 s under spawn, 1.55 s with torch alone preloaded, 0.22 s
+# with fsdp_lite too (2 cores, 2026-12-04). Importing fsdp_lite starts no thread (test_ranks.py).
+# Children still start from a process that never ran test code, so the rules are spawn's: fn is
+# module-level, args and results pickle. Unlike spawn, os.environ changes made after the first
+# launch don't reach the ranks, and ranks write to the stdout/stderr the server was started with:
+# pytest's session-wide capture (shown per test), never a test's capfd.
 _START_METHOD = "forkserver"
-_PRELOAD = ["torch", "torch.distributed"]
+_PRELOAD = ["torch", "torch.distributed", "fsdp_lite"]
 
 # A hung rank is sent this signal before it is killed, so its Python stack lands in captured stderr.
 _DUMP_STACK_SIGNAL = signal.SIGUSR1
+
+# After the first failure, seconds to wait for the other ranks' reports before naming the cause.
+_FAILURE_GRACE = 5.0
 
 
 class RankFailure(AssertionError):
@@ -73,7 +80,8 @@ def run_ranks(
         fn's return values, indexed by rank.
 
     Raises:
-        RankFailure: the first rank to raise, with its traceback; or a rank that died silently.
+        RankFailure: a rank that died silently, else the first rank to raise, with its
+            traceback; the ranks that failed after it, a line each.
         RankTimeout: ranks still running after `timeout` seconds.
     """
     ctx = get_context(_START_METHOD)
@@ -83,7 +91,7 @@ def run_ranks(
     # call in the same tmp_path must not join that stale store.
     init_method = f"file://{Path(tmp_path).resolve()}/rendezvous-{uuid.uuid4().hex}"
     # Short, so a rank whose peer died fails in gloo before our own timeout fires and gets a
-    # traceback; the first failure is the one reported, so the dead peer still shows.
+    # traceback; the dead peer is still the one named.
     pg_timeout = datetime.timedelta(seconds=min(timeout, 60.0))
     deadline = time.monotonic() + timeout
 
@@ -114,27 +122,45 @@ def run_ranks(
             conns[recv_conn] = rank
 
         results: dict[int, Any] = {}
+        # (silent death first, then the earliest raise; rank) -> message. One rank's failure makes
+        # its peers fail in their next collective, and their reports can reach us first: we wait a
+        # moment for the others and name the cause, not the first report.
+        failures: dict[tuple[float, int], str] = {}
+        grace_end = math.inf
         pending = dict(conns)
         while pending:
-            remaining = deadline - time.monotonic()
-            ready = wait(list(pending), timeout=max(remaining, 0.0))
+            limit = min(deadline, grace_end)
+            ready = wait(list(pending), timeout=max(limit - time.monotonic(), 0.0))
             if not ready:
+                if failures:
+                    break
                 _raise_timeout(procs, sorted(pending.values()), world_size, timeout)
             for conn in ready:
                 rank = pending.pop(conn)
                 try:
-                    status, payload = conn.recv()
+                    status, payload, raised_at = conn.recv()
                 except EOFError:
                     # The pipe only closes without a message when the process is gone.
                     procs[rank].join(timeout=5)
-                    raise RankFailure(
+                    failures[(-math.inf, rank)] = (
                         f"rank {rank} of {world_size} exited without reporting a result: "
                         f"{_describe_exit(procs[rank].exitcode)}; anything it wrote is in the "
                         f"captured stderr"
-                    ) from None
-                if status == "error":
-                    raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
-                results[rank] = payload
+                    )
+                else:
+                    if status == "ok":
+                        results[rank] = payload
+                        continue
+                    failures[(raised_at, rank)] = f"rank {rank} of {world_size} failed:\n{payload}"
+                if len(failures) == 1:
+                    grace_end = time.monotonic() + _FAILURE_GRACE
+        if failures:
+            cause, *after = (failures[key] for key in sorted(failures))
+            if after:
+                cause += "\nthen:\n" + "\n".join(
+                    f"  {m.splitlines()[0]} {m.strip().splitlines()[-1]}" for m in after
+                )
+            raise RankFailure(cause)
 
         # Every rank has reported; give them a moment to exit cleanly before the finally kills them.
         for proc in procs:
@@ -220,9 +246,10 @@ def _rank_main(
             leave_together()
         dist.destroy_process_group()
         # Pickle errors surface here, inside the try, and are reported like any other failure.
-        conn.send(("ok", result))
+        conn.send(("ok", result, None))
     except BaseException:
         # BaseException too: pytest.fail / skip and SystemExit in a rank must not look like a crash.
-        conn.send(("error", traceback.format_exc()))
+        # CLOCK_MONOTONIC is one clock for every process on the machine: the parent orders by it.
+        conn.send(("error", traceback.format_exc(), time.monotonic()))
     finally:
         conn.close()

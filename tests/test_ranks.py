@@ -1,6 +1,9 @@
 """tests/ranks.py itself: results, collectives, and how failures, hangs and crashes are reported."""
 
 import os
+import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -67,3 +70,46 @@ def test_hung_rank_is_killed_and_named_after_timeout(tmp_path):
 def test_rank_that_exits_without_reporting_shows_its_exit_code(tmp_path):
     with pytest.raises(RankFailure, match=r"rank 1 of 2 exited without reporting.*exit code 3"):
         run_ranks(_exit_on_rank_1, 2, tmp_path)
+
+
+def _raise_late_on_rank_1(rank, world_size):
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 reports first, failing on a dead peer, yet rank 1 is the cause
+        raise ValueError("boom")
+    dist.barrier()
+    return rank
+
+
+def _exit_while_rank_0_waits(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()  # fails on the dead peer and reports, while rank 1 reported nothing
+    return rank
+
+
+@pytest.mark.parametrize(
+    ("fn", "cause"),
+    [
+        (_raise_late_on_rank_1, r"^rank 1 of 2 failed:.*ValueError: boom"),
+        (_exit_while_rank_0_waits, r"^rank 1 of 2 exited without reporting.*exit code 3"),
+    ],
+)
+def test_the_cause_is_named_when_a_peer_fails_because_of_it(tmp_path, fn, cause):
+    with pytest.raises(RankFailure) as info:
+        run_ranks(fn, 2, tmp_path, in_step=False)
+    message = str(info.value)
+    assert re.search(cause, message, re.S), message
+    assert "\nthen:\n  rank 0 of 2 failed:" in message, message
+
+
+def test_importing_fsdp_lite_starts_no_thread():
+    """tests/ranks.py preloads fsdp_lite in the forkserver, which forks every rank: a thread started
+    there would be missing in the ranks, and a lock it held would stay held."""
+    code = (
+        "import os, torch, torch.distributed\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "import fsdp_lite\n"
+        "after = len(os.listdir('/proc/self/task'))\n"
+        "assert after == before, (before, after)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
