@@ -1,12 +1,12 @@
 """The one multi-process launcher for tests: run a function on N gloo ranks and collect results.
 
-Each rank is a new process, forked from a clean forkserver that has imported torch and fsdp_lite and
-nothing of the test, so `fn` is pickled by name as under "spawn". It joins a gloo process group through a file
-rendezvous in the test's tmp_path (no TCP ports), runs `fn(rank, world_size, *args)` and sends back
-the return value.
-The parent turns a failure, hang or silent death into one AssertionError that names its cause (a rank
-that died silently, else the rank that raised first, then the others in a line each), and always
-kills and reaps every rank before returning.
+Each rank is a new process, forked from a clean forkserver that has imported torch and fsdp_lite
+and nothing of the test, so `fn` is pickled by name as under "spawn". It joins a gloo process group
+through a file rendezvous in the test's tmp_path (no TCP ports), runs `fn(rank, world_size, *args)`
+and sends back the return value.
+The parent turns a failure, hang or silent death into one AssertionError that names its cause (a
+rank that died silently, else the rank that raised first, then the others in a line each), and
+always kills and reaps every rank before returning.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-# "forkserver", not "spawn": the server pays `import torch` and `import fsdp_lite` (DTensor and
-# dynamo: 1.3 s more) once per pytest session, not each rank at each launch. A 2-rank launch of a
-# function that does nothing takes ~3.5 s under spawn, 1.55 s with torch alone preloaded, 0.22 s
-# with fsdp_lite too (2 cores, 2026-12-04). Importing fsdp_lite starts no thread (test_ranks.py).
-# Children still start from a process that never ran test code, so the rules are spawn's: fn is
-# module-level, args and results pickle. Unlike spawn, os.environ changes made after the first
-# launch don't reach the ranks, and ranks write to the stdout/stderr the server was started with:
-# pytest's session-wide capture (shown per test), never a test's capfd.
+# "forkserver", not "spawn": the server pays `import torch` and `import fsdp_lite` once per pytest
+# session, not each rank at each launch. A 2-rank launch of a function that does nothing took
+# ~3.5 s under spawn, 1.55 s with torch alone preloaded, 0.22 s with fsdp_lite too (2 cores,
+# 2026-12-04, when fsdp_lite's import also paid for dynamo's: 1.3 s). Importing fsdp_lite starts
+# no thread (test_ranks.py). Children still start from a process that never ran test code, so the
+# rules are spawn's: fn is module-level, args and results pickle. Unlike spawn, os.environ changes
+# made after the first launch don't reach the ranks, and ranks write to the stdout/stderr the
+# server was started with: pytest's session-wide capture (shown per test), never a test's capfd.
 _START_METHOD = "forkserver"
 _PRELOAD = ["torch", "torch.distributed", "fsdp_lite"]
 

@@ -90,8 +90,13 @@ def eager(fn: Callable) -> Callable:
     and issue collectives; traced, they break graphs or fail to lower (inductor's "TODO: dynamic
     shapes"). So a compiled module's forward is one graph between two eager hooks, as torch FSDP2
     does with its own hooks. Each unit boundary costs one graph break on each side.
+
+    torch's lazy form of ``torch._dynamo.disable`` (torch.optim's): dynamo is imported at the
+    first call, not with fsdp_lite, whose import it made ~0.7 s slower than native FSDP's. dynamo
+    never traces into the wrapper itself (it lives in torch), so a compiled caller breaks its graph
+    there just as at a ``disable``'d function (tests/test_compile.py counts the breaks).
     """
-    return torch._dynamo.disable(fn, recursive=True, reason="fsdp_lite runs its hooks eagerly")
+    return torch._disable_dynamo(fn, recursive=True)
 
 
 @eager
