@@ -20,6 +20,7 @@ Why: docs/engine.md, "Buffer lifetimes" (``free(): invalid pointer`` once in abo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import resource
@@ -30,6 +31,13 @@ import time
 from pathlib import Path
 
 DEFAULT_ARGS = ["--impl", "fsdp_lite", "fsdp_lite_fsdp2"]
+
+# glibc's heap checks (--heap-checks here, and tests/test_buffer_lifetimes.py).
+HEAP_CHECKS = {
+    "MALLOC_CHECK_": "3",  # abort on any inconsistency glibc detects in the heap
+    "MALLOC_PERTURB_": "165",  # fill freed (and new) memory: a read of a freed buffer shows
+    "MALLOC_MMAP_THRESHOLD_": "33554432",  # buffers up to 32 MiB on the checked heap, not mmap
+}
 
 # What glibc, CPython and the C++ runtime print when a process dies natively, and torch's launcher
 # when a rank died of a signal.
@@ -67,11 +75,7 @@ def run_once(
     path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=path)
     if heap_checks:
-        env.update(
-            MALLOC_CHECK_="3",
-            MALLOC_PERTURB_=str(1 + run % 255),
-            MALLOC_MMAP_THRESHOLD_="33554432",
-        )
+        env.update(HEAP_CHECKS, MALLOC_PERTURB_=str(1 + run % 255))
     log = folder / "conformance.log"
     start = time.monotonic()
     with log.open("w") as f:
@@ -109,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     tsv = opts.out / "soak.tsv"
     if not tsv.exists():
         tsv.write_text("run\texit code\tseconds\tsummary\tnative messages\n")
-    first = sum(1 for _ in tsv.open()) - 1  # runs already recorded there
-    deadline = time.monotonic() + 60 * opts.minutes if opts.minutes is not None else None
+    first = len(tsv.read_text().splitlines()) - 1  # runs already recorded there
+    runs = opts.runs if opts.runs is not None else math.inf
+    deadline = time.monotonic() + 60 * opts.minutes if opts.minutes is not None else math.inf
     bad = 0
     run = first
-    while (run - first < opts.runs) if opts.runs is not None else (time.monotonic() < deadline):
+    while run - first < runs and time.monotonic() < deadline:
         run += 1
         rc, seconds, summary, messages = run_once(
             run, opts.out, args, opts.heap_checks, not opts.no_cores

@@ -18,13 +18,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from scripts.soak_matrix import HEAP_CHECKS
 
-HEAP_CHECKS = {
-    "MALLOC_CHECK_": "3",  # abort on any inconsistency glibc detects in the heap
-    "MALLOC_PERTURB_": "165",  # fill freed (and new) memory: a read of a freed buffer shows
-    "MALLOC_MMAP_THRESHOLD_": "33554432",  # buffers up to 32 MiB on the checked heap, not mmap
-}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("perturb", ["165", "91"])

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.soak_matrix import native_messages
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "soak_matrix.py"
 
@@ -28,8 +30,14 @@ class FreesABadPointer(nn.Module):
 
     def forward(self, x):
         if dist.is_initialized() and dist.get_rank() == 1:
-            buf = ctypes.create_string_buffer(64)
-            ctypes.CDLL(None).free(ctypes.c_void_p(ctypes.addressof(buf) + 1))
+            # One byte into a zeroed block of glibc's own: the chunk header free() reads there
+            # says size 0, which glibc rejects every time (a ctypes buffer's header bytes vary:
+            # they sometimes sent glibc down another path to a segfault).
+            libc = ctypes.CDLL(None)
+            libc.malloc.restype = ctypes.c_void_p
+            block = libc.malloc(64)
+            ctypes.memset(block, 0, 64)
+            libc.free(ctypes.c_void_p(block + 1))
         return self.lin(x)
 
 
@@ -52,11 +60,6 @@ def _soak(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_native_messages_are_found_once_each_and_case_output_is_not():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from soak_matrix import native_messages
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
     text = (
         "fsdp_lite/FULL_SHARD/fp32/plain/lm/ws2 passed bitwise\n"
         "a corrupted checkpoint is refused (case output, not glibc)\n"
