@@ -17,7 +17,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_lite"
 
 # Lowest first: a module may import its own layer and those before it.
-LAYERS = ("base", "engine", "state", "tools", "fronts", "top")
+LAYERS = ("base", "engine", "state", "tools", "fronts", "integrations", "top")
 # Base modules sit at the package's top level and import nothing above them; every other
 # top-level module (__init__, the two command-line tools, public re-exports) is "top".
 BASE = {"api", "names", "wrap", "sharded_grad_scaler"}

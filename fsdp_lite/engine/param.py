@@ -424,6 +424,54 @@ class Param:
     def _take_back(self, current: nn.Parameter, param_dtype: torch.dtype | None) -> bool:
         raise NotImplementedError
 
+    def replacement(self, held: torch.Tensor, fqn: str) -> nn.Parameter | None:
+        """The parameter the modules hold instead of ``held`` (what the unit left there), checked;
+        None if they hold ``held`` (runtime.py, Note [Replaced parameters]); errors name it ``fqn``
+        (its path from the root). Local: no collective."""
+        current = [module._parameters.get(name) for module, name in self.locations]
+        if all(c is held for c in current):
+            return None
+        places = [f"{type(m).__name__}.{n}" for m, n in self.locations]
+        if any(c is None for c in current):
+            where = places[next(i for i, c in enumerate(current) if c is None)]
+            raise ValueError(
+                f"parameter {fqn!r} ({where}) was deleted or set to None after wrapping; "
+                "a wrapped module's parameter can be replaced by another, not removed"
+            )
+        new = current[0]
+        if any(c is not new for c in current):
+            raise ValueError(
+                f"parameter {fqn!r} is tied ({', '.join(places)}) and was replaced after "
+                "wrapping in some of these and not the others, or by different parameters; "
+                "replace it by one parameter in all of them (or untie it before wrapping)"
+            )
+        self._check_replacement(new, fqn)
+        return new
+
+    def _check_replacement(self, new: torch.Tensor, fqn: str) -> None:
+        """Raise unless ``new`` can take this parameter's place (shape, layout, requires_grad)."""
+        old = self.sharded_param
+        if new.requires_grad != old.requires_grad:
+            raise ValueError(
+                f"parameter {fqn!r} was replaced after wrapping by one with requires_grad="
+                f"{new.requires_grad} (it had {old.requires_grad}); set requires_grad before "
+                "wrapping, or on the replacement to match"
+            )
+        if new.device.type == "meta":
+            raise ValueError(
+                f"parameter {fqn!r} was replaced after wrapping by a meta tensor; replace it "
+                "by one with values (or use to_empty and initialize before the first forward)"
+            )
+        if self.disk_files is not None and _local(new).dtype != self.sharded_flat.dtype:
+            raise ValueError(
+                f"parameter {fqn!r} is disk-offloaded and was replaced after wrapping by one "
+                f"in {_local(new).dtype} (its shards are {self.sharded_flat.dtype}); keep its dtype"
+            )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
 
 class ShardedParam(Param):
     """One original parameter of a unit, sharded on dim 0 (or ``shard_dim``) across the unit's
@@ -577,6 +625,36 @@ class ShardedParam(Param):
         # What FSDP2's reset_sharded_param does: the DTensor views the shard buffer again.
         current._local_tensor = flat.view(self.local_shape)
         return self._follow_dtype(param_dtype or local.dtype)
+
+    def _check_replacement(self, new: torch.Tensor, fqn: str) -> None:
+        """A replacement must be laid out as ``sharded_param``: a DTensor on the same mesh, with
+        the same placements, global shape and this rank's shape of it, as torch FSDP2 requires
+        (its lazy init reads the replacement's local tensor as the shard)."""
+        old = self.sharded_param
+        layout = (
+            f"a DTensor on the parameter's mesh with placements {tuple(old.placements)}, global "
+            f"shape {tuple(old.shape)} and local shape {tuple(self.local_shape)} (e.g. "
+            "DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, "
+            "stride=p.stride()) of the parameter p it replaces)"
+        )
+        if not isinstance(new, DTensor):
+            raise TypeError(
+                f"parameter {fqn!r} was replaced after wrapping by a plain "
+                f"{type(new).__name__} of shape {tuple(new.shape)}; a replacement of a sharded "
+                f"parameter must be {layout}"
+            )
+        if (
+            new.device_mesh != old.device_mesh
+            or tuple(new.placements) != tuple(old.placements)
+            or new.shape != old.shape
+            or new._local_tensor.shape != self.local_shape
+        ):
+            raise ValueError(
+                f"parameter {fqn!r} was replaced after wrapping by a DTensor with placements "
+                f"{tuple(new.placements)}, global shape {tuple(new.shape)} and local shape "
+                f"{tuple(new._local_tensor.shape)}; it must be {layout}"
+            )
+        super()._check_replacement(new, fqn)
 
     def _follow_dtype(self, dtype: torch.dtype) -> bool:
         """A new unsharded copy in ``dtype`` if the old one is in another (see _take_back)."""
@@ -767,6 +845,16 @@ class ReplicatedParam(Param):
             self.sharded_param.grad = average.to(self.sharded_param.dtype)
         else:
             self.sharded_param.grad.copy_(average)
+
+    def _check_replacement(self, new: torch.Tensor, fqn: str) -> None:
+        """NO_SHARD keeps parameters whole: a replacement is a plain tensor of the same shape."""
+        if isinstance(new, DTensor) or new.shape != self.orig_size:
+            raise ValueError(
+                f"parameter {fqn!r} (NO_SHARD: kept whole) was replaced after wrapping by a "
+                f"{type(new).__name__} of shape {tuple(new.shape)}; it must be a plain tensor of "
+                f"shape {tuple(self.orig_size)}"
+            )
+        super()._check_replacement(new, fqn)
 
     def _take_back(self, current: nn.Parameter, param_dtype: torch.dtype | None) -> bool:
         storage = self.sharded_flat.device

@@ -40,6 +40,20 @@ only once the gradients of its forward inputs are in (an identity autograd Funct
 inputs, as FSDP2's post-backward), or at ``finalize_backward`` when no input needs a gradient: a
 root's tokens carry none, yet the gradients of the nested units inside it still flow back through
 its ops, and so through its frozen weights (found by tests/test_properties.py).
+
+Note [Replaced parameters]: code that loads weights into an already wrapped model may replace a
+parameter with ``setattr(module, name, nn.Parameter(new))`` instead of copying into it
+(transformers' load-time sharding does, after ``fully_shard`` and before the first forward). The
+modules then hold a parameter the unit does not know, while the collectives read the old shard
+buffer. So before a unit gathers (its pre-forward, a prefetch, ``to_rest``) it looks at what its
+modules hold (the root's pre-forward looks at every unit's, so that a refusal comes before the
+step's first collective): a replacement laid out as the parameter (param.py ``_check_replacement``: a DTensor
+on the same mesh and placements for a sharded one) becomes ``sharded_param``, its values copied
+into the shard buffer, exactly as torch FSDP2's lazy init takes one (``reset_sharded_param``);
+anything else raises, naming the parameter and the layout it needs, before any collective. torch
+takes a replacement only at its lazy init and silently puts the old parameter back after a later
+one; fsdp_lite takes it at any forward, and after the unit's first forward it logs a warning: an
+optimizer built before still holds the old parameter, which no longer trains.
 """
 
 from __future__ import annotations
@@ -79,6 +93,7 @@ __all__ = [
     "prepare_apply",
     "register_grad_hooks",
     "take_back_after_apply",
+    "take_replaced_params",
     "to_rest",
 ]
 
@@ -136,6 +151,27 @@ def _grad_ready(unit_ref: weakref.ref[ShardedUnit], _param: torch.Tensor) -> Non
         unit.runtime.on_grad_ready(unit)
 
 
+def take_replaced_params(unit: ShardedUnit, warn: bool = False) -> None:
+    """Shard the parameters replaced in the unit's modules since it last looked, or raise before
+    any collective (Note [Replaced parameters]); ``warn``: log it (an optimizer may hold the old)."""
+    replaced = unit.replaced_params()
+    if not replaced:
+        return
+    if warn:
+        logger.warning(
+            "fsdp_lite: %s replaced since the last forward; the new parameters train from now "
+            "on (an optimizer built before holds the old ones)",
+            ", ".join(repr(unit.qualified(p)) for p, _ in replaced),
+        )
+    before = [p.unsharded_param for p, _ in replaced]
+    unit.take_replaced(replaced)
+    # A new copy forward runs on (NO_SHARD runs on the replacement itself, or a new dtype's
+    # copy) needs the gradient hook the old one had.
+    register_grad_hooks(
+        unit, [p for (p, _), old in zip(replaced, before) if p.unsharded_param is not old]
+    )
+
+
 def prepare_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Before ``nn.Module._apply`` on a wrapper of either front: check every unit in its tree
     first (so that a refusal leaves the model as it was), then point each at its shards."""
@@ -158,6 +194,7 @@ def to_rest(wrapper: nn.Module) -> None:
             f"unit {unit.name or '<root>'!r}: state dicts are taken between steps, not inside "
             f"forward, backward or summon_full_params (state {unit.training_state.name})"
         )
+    take_replaced_params(unit)
     if unit.state == ShardedState.UNSHARDED:
         unit.reshard()
 
@@ -286,6 +323,11 @@ class StepRuntime:
             )
             self.reset_iter_state()
         unit.assert_state(TrainingState.IDLE)
+        # The root looks at every unit before its own gather, so that a refusal comes before
+        # any collective (Note [Replaced parameters]); a unit run on its own looks at itself.
+        for other in self.units if unit.is_root else (unit,):
+            if other.training_state == TrainingState.IDLE:
+                take_replaced_params(other, warn=other in self._position)
         self._record_order(self.forward_order, self._position, unit)
         event = unit.settings.take_post_optim_event()
         if event is not None:
@@ -531,6 +573,9 @@ class StepRuntime:
                 self.record(target).ran_pre_backward or not target.settings.unshard_in_backward
             ):
                 continue  # its backward already ran (BACKWARD_POST from the root, at the end)
+            if phase == "forward" and target.training_state == TrainingState.IDLE:
+                # before its gather reads the shard buffer (Note [Replaced parameters])
+                take_replaced_params(target, warn=target in self._position)
             if target.needs_unshard():
                 target.unshard(phase, async_op=True)
 

@@ -697,6 +697,32 @@ class ShardedUnit:
             if buf is not None and buffer_dtype is not None and buf.is_floating_point():
                 m._buffers[name] = buf.to(buffer_dtype)
 
+    def replaced_params(self) -> list[tuple[Param, nn.Parameter]]:
+        """Each parameter whose modules hold another than the one this unit left there (a
+        ``setattr`` after wrapping), with what they hold, checked before anything changes
+        (Note [Replaced parameters] in runtime.py). Local: no collective."""
+        unsharded = self.state == ShardedState.UNSHARDED
+        found = []
+        for p in self.params:
+            held = p.unsharded_param if unsharded else p.sharded_param
+            new = p.replacement(held, self.qualified(p))
+            if new is not None:
+                found.append((p, new))
+        return found
+
+    def qualified(self, p: Param) -> str:
+        """``p``'s name from the root (the unit's path, then its own)."""
+        return f"{self.name}.{p.fqn}" if self.name else p.fqn
+
+    def take_replaced(self, replaced: list[tuple[Param, nn.Parameter]]) -> None:
+        """Make each replacement its parameter's ``sharded_param``, its values copied into the
+        shard buffer the collectives read; anything kept unsharded is stale from now on."""
+        self.reshard()  # the modules hold the (old) shards, so state and modules agree again
+        for p, new in replaced:
+            p.point_modules_to(new)
+            p.reset_sharded_param(self.precision.param_dtype)
+        self._gathered_versions = None
+
     def assert_state(self, *allowed: TrainingState) -> None:
         if self.training_state not in allowed:
             names = " or ".join(s.name for s in allowed)

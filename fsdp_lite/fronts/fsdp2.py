@@ -33,6 +33,7 @@ from fsdp_lite.engine.runtime import (
     prepare_apply,
     register_grad_hooks,
     take_back_after_apply,
+    take_replaced_params,
     to_rest,
 )
 from fsdp_lite.engine.unit import ShardedUnit, TrainingState, owns_unit, unit_owners
@@ -552,6 +553,8 @@ class FSDPModule(TorchFSDPModule):
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather the params now; with ``async_op``, the returned handle's ``wait()`` lands it."""
         unit = self._unit
+        if unit.training_state == TrainingState.IDLE:
+            take_replaced_params(unit)  # before the gather reads the shards (runtime.py Note)
         unit.unshard("forward", async_op=async_op)
         if async_op:
             return UnshardHandle(unit)
