@@ -25,7 +25,7 @@ log = logging.getLogger("conformance")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    # No option may be a prefix of one of torchrun's (FACTS: torchrun rejects those), except
+    # No option may be a prefix of one of torchrun's (torchrun rejects those, measured), except
     # --nproc, which only the self-launch reads: under torchrun use --nproc-per-node instead.
     parser = argparse.ArgumentParser(
         prog="python -m conformance",

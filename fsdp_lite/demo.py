@@ -62,7 +62,7 @@ class RunResult:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    # Option names are not prefixes of torchrun's own (see FACTS: torchrun rejects "--d"), except
+    # Option names are not prefixes of torchrun's own (torchrun rejects a script option that is a prefix of one of its own, "--d"), except
     # --nproc, which only the self-launch reads; under torchrun pass --nproc-per-node instead.
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_lite.demo",

@@ -379,7 +379,7 @@ def _check_native_fsdp2_checkpoints_both_ways(rank, world_size, tmp, saved_at_4,
     checkpoint.load(into_ours, into_our_optim, f"{tmp}/native")
     into_native, into_native_optim = _native_fsdp2()
     native_load(into_native, into_native_optim, f"{tmp}/ours")
-    # fsdp_lite and FSDP2 agree bitwise at 2 ranks (FACTS.md), so all four go on identically.
+    # fsdp_lite and FSDP2 agree bitwise at 2 ranks (tests/test_fsdp2_front.py), so all four go on identically.
     losses = {
         "native": _resume_losses(native, native_optim, rank, world_size),
         "ours": _resume_losses(ours, our_optim, rank, world_size),

@@ -4,7 +4,7 @@ Accelerate's ``FullyShardedDataParallelPlugin`` builds torch's config objects an
 ``Accelerator.prepare_model`` calls ``FSDP(model, **kwargs)`` with them, then applies activation
 checkpointing to the wrapped model; Trainer then moves the wrapped model to ``args.device``
 (``cpu:0`` under torchrun). Accelerate itself turns FSDP off on a machine without an accelerator
-(docs: CLIENTS.md), so its calls are made here as it makes them, in the same order, with fsdp_lite's
+(its FSDP paths run only with a GPU-type backend: docs/integrations.md), so its calls are made here as it makes them, in the same order, with fsdp_lite's
 class in place of torch's. The model is a tiny ``LlamaForCausalLM`` with a frozen embedding and a
 frozen first-layer norm, the fine-tuning case. It must train like DDP and like native FSDP1 taken
 through the same calls, bitwise at 2 ranks, and Accelerate's full state dict (rank 0 only,
@@ -114,7 +114,7 @@ def _accelerate_flow_rank(rank: int, world_size: int) -> None:
         losses = _train(model, rank)
         assert losses == want_losses, f"{name}: losses {losses} != DDP's {want_losses}"
         # Accelerator.get_state_dict's FSDP1 path: FULL, offloaded to CPU, on rank 0 only.
-        # torch FSDP1 cannot offload on CPU (FACTS.md: it crashes), so it gives FULL's defaults.
+        # torch FSDP1 cannot offload on CPU (measured: it crashes), so it gives FULL's defaults.
         configs = (plugin.state_dict_config, plugin.optim_state_dict_config)
         if fsdp_cls is NativeFSDP:
             configs = (None, None)

@@ -102,7 +102,7 @@ def _mp_parity_rank(rank: int, world_size: int, reduce_name: str) -> dict:
 # exact power-of-two scalings, so all three sum the same numbers. At 3 ranks with an fp32 reduce
 # all three still agree bitwise (measured). With a bf16 reduce at 3 ranks the bf16 rounding of the
 # divisions no longer commutes: fsdp_lite matches FSDP2 bitwise and differs from FSDP1 by up to
-# ~1.1e-3 in params after 3 steps (FSDP1 and FSDP2 differ from each other there too, FACTS.md), so
+# ~1.1e-3 in params after 3 steps (FSDP1 and FSDP2 differ from each other there too, measured), so
 # the bf16 losses may differ by a bf16 ulp or two: 0.0625 measured in a fresh venv (loss ~4.1,
 # where one ulp is 2**-5), 0 on the machine of earlier sessions.
 BOUNDS = {

@@ -246,7 +246,7 @@ def _native_fsdp1_lm():
 def _full_settings(native: bool) -> tuple:
     """FULL_STATE_DICT on every rank; each library checks its own enum and config classes.
 
-    offload_to_cpu=False: native FSDP1's CPU offload of a full state dict fails on CPU (FACTS.md).
+    offload_to_cpu=False: native FSDP1's CPU offload of a full state dict fails on CPU ("setStorage ... storage of size 0", measured).
     """
     if native:
         from torch.distributed import fsdp as api
