@@ -34,6 +34,7 @@ from fsdp_lite.fronts.fsdp2 import (
     register_fsdp_forward_method,
 )
 from fsdp_lite.muon import Muon
+from fsdp_lite.tools.launch import distributed
 from fsdp_lite.tools.order import set_collective_order_check
 from fsdp_lite.whole_matrix import WholeMatrix
 
@@ -64,6 +65,7 @@ __all__ = [
     "StateDictType",
     "UnshardHandle",
     "WholeMatrix",
+    "distributed",
     "fully_shard",
     "register_fsdp_forward_method",
     "set_collective_order_check",

@@ -1,19 +1,23 @@
-"""Start a ``python -m MODULE`` job on local ranks through torch's elastic launcher, as torchrun does.
+"""Start a ``python -m MODULE`` job on local ranks through torch's elastic launcher, as torchrun does,
+and end a job's process group without torch's teardown abort (``leave_together``, ``distributed``).
 
 The demo and the conformance suite both launch themselves this way when run without torchrun.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["launch_module", "leave_together"]
+__all__ = ["distributed", "launch_module", "leave_together"]
 
 
 def launch_module(module: str, argv: list[str], nproc: int) -> bool:
@@ -68,3 +72,33 @@ def leave_together(group: dist.ProcessGroup | None = None, patience_s: float = 1
     while token._use_count() > 1 and time.monotonic() < deadline:
         time.sleep(0.001)
     time.sleep(0.01)  # a thread that has dropped its count may still be waiting for the GIL
+
+
+@contextlib.contextmanager
+def distributed(backend: str | None = None, **init_kwargs: Any) -> Iterator[dist.ProcessGroup]:
+    """The default process group for the life of a ``with`` block, left so that the job exits
+    cleanly: what a script under torchrun wraps its work in.
+
+    On entry, ``init_process_group(backend, **init_kwargs)`` unless a group already exists (then
+    it is used and left to its owner to destroy). On a normal exit every rank waits for the others
+    and for the backend's threads (``leave_together``), then the group is destroyed: a script that
+    only calls ``destroy_process_group()`` dies now and then with "terminate called without an
+    active exception" after all its work (pytorch/pytorch#190489). When the block raises, the
+    group is destroyed without that wait (the other ranks may never come) and the error goes on.
+
+    Args:
+        backend: as ``init_process_group``'s ("gloo", "nccl"...; None: torch's default).
+        init_kwargs: the rest of ``init_process_group``'s arguments (``timeout``, ``device_id``...).
+
+    Returns:
+        The default process group (``dist.group.WORLD``).
+    """
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group(backend, **init_kwargs)
+    try:
+        yield dist.group.WORLD
+        leave_together()
+    finally:
+        if owned:
+            dist.destroy_process_group()
