@@ -491,7 +491,11 @@ CASES: dict[str, Callable[[Ctx], object]] = {
         process_group=dist.group.WORLD,
         device_mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"),
     ),
-    "device_id_as_string": lambda c: FSDP(c.mlp(), device_id="cpu"),
+    "device_id_as_list": lambda c: FSDP(c.mlp(), device_id=["cpu"]),
+    "ignored_modules_hold_a_parameter": lambda c: FSDP(
+        (m := c.mlp()), ignored_modules=[m.fc1.weight]
+    ),
+    "ignored_states_mixed": lambda c: FSDP((m := c.mlp()), ignored_states=[m.fc1, m.fc2.weight]),
     "ignored_both_ways": lambda c: FSDP(
         (m := c.mlp()), ignored_modules=[m.fc1], ignored_states=[m.fc2.weight]
     ),

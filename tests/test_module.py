@@ -85,10 +85,10 @@ BAD_INPUT = {
     ),
     "ignored_not_a_module": (
         lambda m, g: FSDP(m, ignored_modules=["fc1"]),
-        TypeError,
-        "ignored_modules/ignored_states hold nn.Module or nn.Parameter",
+        ValueError,
+        "ignored_modules expects nn.Module list elements but got types",
     ),
-    "device_id_as_string": (lambda m, g: FSDP(m, device_id="cpu"), TypeError, "device_id"),
+    "device_id_as_list": (lambda m, g: FSDP(m, device_id=["cpu"]), TypeError, "device_id"),
     "flag_not_bool": (
         lambda m, g: FSDP(m, sync_module_states="yes"),
         TypeError,

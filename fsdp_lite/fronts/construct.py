@@ -419,7 +419,7 @@ def _hybrid_mesh(groups: tuple | None, device: torch.device) -> DeviceMesh:
     )
 
 
-def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
+def _resolve_device(module: nn.Module, device_id: int | str | torch.device | None) -> torch.device:
     if device_id is None:
         devices = {p.device for p in module.parameters() if not p.is_meta}
         if len(devices) > 1:
@@ -433,27 +433,47 @@ def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> 
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-    if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
-        raise TypeError(f"device_id must be an int or torch.device, got {type(device_id).__name__}")
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    if device_id.type == "cuda" and device_id.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device_id
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device)):
+        raise TypeError(
+            f"device_id must be an int, a str or a torch.device, got {type(device_id).__name__}"
+        )
+    # torch FSDP1's reading: what torch.device makes of it ("cpu", "cuda:1", 0); an accelerator
+    # without an index means its current device.
+    device = device_id if isinstance(device_id, torch.device) else torch.device(device_id)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+    return device
 
 
 def _resolve_ignored(
     module: nn.Module, ignored_modules: Iterable | None, ignored_states: Iterable | None
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     if ignored_modules is not None and ignored_states is not None:
-        raise ValueError("pass ignored_modules or ignored_states, not both")
+        raise ValueError(  # torch FSDP1's words
+            "Cannot pass both ignored_modules and ignored_states at the same time. Please just "
+            "pass ignored_states."
+        )
+    items = list(ignored_modules if ignored_modules is not None else ignored_states or [])
+    types = sorted({type(item) for item in items}, key=repr)
+    if ignored_modules is not None and not all(isinstance(i, nn.Module) for i in items):
+        raise ValueError(  # torch FSDP1's class and words
+            f"ignored_modules expects nn.Module list elements but got types {types}"
+        )
+    if not (
+        all(isinstance(i, nn.Parameter) for i in items)
+        or all(isinstance(i, nn.Module) for i in items)
+    ):
+        raise ValueError(
+            "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
+            f"types {types}"
+        )
     submodules = set(module.modules())
     mods: set[nn.Module] = set()
     params: set[nn.Parameter] = set()
-    for item in list(ignored_modules or []) + list(ignored_states or []):
+    for item in items:
         if isinstance(item, nn.Parameter):
             params.add(item)
-        elif isinstance(item, nn.Module):
+        else:
             if item not in submodules:
                 raise ValueError(
                     f"ignored module {type(item).__name__} is not a submodule of the wrapped module"
@@ -461,11 +481,6 @@ def _resolve_ignored(
             if owns_unit(item):
                 raise ValueError("an ignored module cannot be a FullyShardedModule")
             mods.add(item)
-        else:
-            raise TypeError(
-                f"ignored_modules/ignored_states hold nn.Module or nn.Parameter, "
-                f"got {type(item).__name__}"
-            )
     for m in mods:
         params.update(m.parameters())
     return mods, params

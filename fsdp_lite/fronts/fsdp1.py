@@ -9,7 +9,9 @@ wrapper's ``ShardedUnit``. At run time its ``forward`` hands each stage to runti
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -104,7 +106,7 @@ class FullyShardedModule(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         ignored_modules: Iterable[nn.Module] | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
-        device_id: int | torch.device | None = None,
+        device_id: int | str | torch.device | None = None,
         sync_module_states: bool = False,
         forward_prefetch: bool | None = None,
         limit_all_gathers: bool = True,
@@ -136,6 +138,9 @@ class FullyShardedModule(nn.Module):
         else:
             _config = _nesting.config_for(module, kwargs)
         self._config = _config
+        # torch FSDP1's mixed_precision attribute is the argument as given (reduce_dtype None
+        # stays None), which the unit's resolved dtypes no longer say.
+        self._mixed_precision = _resolve_configs(kwargs)["mixed_precision"] or MixedPrecision()
         self._fsdp_wrapped_module = module
         # Auto-wrapped units are known only now, after the model comparison across ranks.
         check_unit_params(module, _config, "FullyShardedDataParallel")
@@ -186,6 +191,51 @@ class FullyShardedModule(nn.Module):
             ),
         )
         return config
+
+    # ---- torch FSDP1's public attributes, which client code reads (this unit's) ---------------
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._config.strategy
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return self._config.cpu_offload or CPUOffload()
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        return self._config.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        """Whether forward prefetches: True by default here, unlike torch's (see ``__init__``)."""
+        return self._config.forward_prefetch
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self._mixed_precision
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The shard group (HYBRID_SHARD: within a replica), as torch's."""
+        return self._config.group
+
+    @property
+    def rank(self) -> int:
+        return self._unit.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._unit.world_size
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._config.device
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """This unit's parameters as the optimizer sees them (torch: its one FlatParameter)."""
+        return [p.sharded_param for p in self._unit.params]
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -266,7 +316,8 @@ class FullyShardedModule(nn.Module):
         one all-reduce, replicated (NO_SHARD, ignored) gradients are counted once.
 
         Returns:
-            The total norm before clipping (a scalar tensor).
+            The total norm before clipping (a scalar tensor), in the gradients' widest dtype as
+            torch's; float32, with torch's warning, on a rank that has no gradients.
         """
         self._lazy_init()
         if not self._unit.is_root:
@@ -293,9 +344,18 @@ class FullyShardedModule(nn.Module):
             total = (local + rest) ** (1.0 / norm_type)
         # Same formula as torch.nn.utils.clip_grad_norm_, so a clip lands where torch's would.
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in sharded + replicated:
+        grads = sharded + replicated
+        for g in grads:
             g.mul_(clip_coef.to(g.dtype))
-        return total
+        if not grads:  # torch FSDP1's warning and dtype: no gradient here says no dtype
+            warnings.warn(
+                f"Called FSDP.clip_grad_norm_() on rank {self._unit.rank} with no gradients -- "
+                f"returning the total norm in the default dtype {total.dtype}",
+                stacklevel=2,
+            )
+            return total
+        # torch FSDP1 returns the norm in the gradients' widest dtype (fp16 gradients: fp16).
+        return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
 
     # ---- full parameters ---------------------------------------------------------------------
 

@@ -1,0 +1,140 @@
+"""What torch FSDP1's own tests and client code read off the wrapper, beside torch FSDP1 in one run.
+
+torch's public instance attributes (``sharding_strategy``, ``cpu_offload``, ``mixed_precision``,
+``rank``, ``process_group``...), ``clip_grad_norm_``'s return dtype and its warning on a rank with
+no gradients, and ``device_id`` given as a string, as torch's tests pass it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as native
+import torch.nn as nn
+
+import fsdp_lite
+from tests.ranks import run_checks, run_ranks
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def _both(**kwargs):
+    """The same arguments to fsdp_lite's wrapper and to torch FSDP1's (the classes by name)."""
+    ours = fsdp_lite.FullyShardedDataParallel(_net(), **kwargs)
+    theirs_kwargs = {
+        k: getattr(native, type(v).__name__)(**vars(v)) if k in ("mixed_precision", "cpu_offload")
+        else getattr(native, type(v).__name__)[v.name] if hasattr(v, "name") and not isinstance(v, str)
+        else v
+        for k, v in kwargs.items()
+    }  # fmt: skip
+    theirs = native.FullyShardedDataParallel(_net(), device_id=torch.device("cpu"), **theirs_kwargs)
+    return ours, theirs
+
+
+def _fields(mp) -> dict:
+    return {f: getattr(mp, f) for f in ("param_dtype", "reduce_dtype", "buffer_dtype",
+                                        "keep_low_precision_grads", "cast_forward_inputs",
+                                        "cast_root_forward_inputs")}  # fmt: skip
+
+
+def check_public_attributes(rank: int, world_size: int) -> None:
+    for kwargs in (
+        {},
+        {
+            "sharding_strategy": fsdp_lite.ShardingStrategy.SHARD_GRAD_OP,
+            "mixed_precision": fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16),
+            "backward_prefetch": fsdp_lite.BackwardPrefetch.BACKWARD_POST,
+            "forward_prefetch": True,
+        },
+    ):
+        ours, theirs = _both(**kwargs)
+        assert ours.sharding_strategy.name == theirs.sharding_strategy.name
+        assert ours.cpu_offload.offload_params == theirs.cpu_offload.offload_params
+        assert ours.backward_prefetch.name == theirs.backward_prefetch.name
+        # fsdp_lite prefetches in forward unless told not to (its docstring says why); the
+        # attribute says what runs: True by default, torch's False.
+        assert ours.forward_prefetch == kwargs.get("forward_prefetch", True)
+        assert theirs.forward_prefetch == kwargs.get("forward_prefetch", False)
+        assert _fields(ours.mixed_precision) == _fields(theirs.mixed_precision), kwargs
+        assert (
+            (ours.rank, ours.world_size) == (theirs.rank, theirs.world_size) == (rank, world_size)
+        )
+        assert dist.get_process_group_ranks(ours.process_group) == dist.get_process_group_ranks(
+            theirs.process_group
+        )
+        assert ours.compute_device == theirs.compute_device == torch.device("cpu")
+        assert [p.shape for p in ours.params] == [(6, 4), (6,), (2, 6), (2,)]
+
+
+def check_clip_grad_norm_dtype_and_warning(rank: int, world_size: int) -> None:
+    """fp16 gradients: the norm in fp16, as torch's; a rank without gradients warns (torch's
+    words) and returns float32."""
+    for cls in (fsdp_lite.FullyShardedDataParallel, native.FullyShardedDataParallel):
+        extra = (
+            {} if cls is fsdp_lite.FullyShardedDataParallel else {"device_id": torch.device("cpu")}
+        )
+        model = cls(_net().half(), use_orig_params=True, **extra)
+        model(torch.ones(3, 4, dtype=torch.float16)).sum().backward()
+        assert model.clip_grad_norm_(1.0).dtype == torch.float16, cls
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            norm = model.clip_grad_norm_(1.0)
+        assert norm.dtype == torch.float32, cls
+        assert any(
+            f"Called FSDP.clip_grad_norm_() on rank {rank} with no gradients" in str(w.message)
+            for w in caught
+        ), (cls, [str(w.message) for w in caught])
+
+
+def check_device_id_as_string(rank: int, world_size: int) -> None:
+    """torch's tests pass ``device_id="cpu"`` (and "cuda" on GPUs): taken as torch.device takes it."""
+    by_string = fsdp_lite.FullyShardedDataParallel(_net(), device_id="cpu")
+    by_device = fsdp_lite.FullyShardedDataParallel(_net(), device_id=torch.device("cpu"))
+    assert by_string.compute_device == by_device.compute_device == torch.device("cpu")
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    assert torch.equal(by_string(x), by_device(x))
+    with pytest.raises(TypeError, match="device_id must be an int, a str or a torch.device"):
+        fsdp_lite.FullyShardedDataParallel(_net(), device_id=["cpu"])
+
+
+def check_ignored_modules_refuses_parameters(rank: int, world_size: int) -> None:
+    """torch's class and words (its test_fsdp_ignored_modules asserts them)."""
+    model = _net()
+    for cls, extra in (
+        (fsdp_lite.FullyShardedDataParallel, {}),
+        (native.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+    ):
+        with pytest.raises(ValueError, match="ignored_modules expects nn.Module list elements"):
+            cls(model, ignored_modules=[model[0].weight], **extra)
+        with pytest.raises(ValueError, match="Cannot pass both ignored_modules and ignored_states"):
+            cls(model, ignored_modules=[model[0]], ignored_states=[model[2].weight], **extra)
+
+
+CHECKS = {
+    "public_attributes": check_public_attributes,
+    "clip_grad_norm_dtype_and_warning": check_clip_grad_norm_dtype_and_warning,
+    "device_id_as_string": check_device_id_as_string,
+    "ignored_modules_refuses_parameters": check_ignored_modules_refuses_parameters,
+}
+
+
+def _rank(rank: int, world_size: int) -> dict[str, str]:
+    return run_checks(CHECKS, list(CHECKS), rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_rank, 2, tmp_path_factory.mktemp("fsdp1_surface"), timeout=120)
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_fsdp1_surface_as_torch(results, check):
+    for rank, failures in enumerate(results):
+        assert check not in failures, f"rank {rank}:\n{failures[check]}"
