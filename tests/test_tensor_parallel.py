@@ -229,9 +229,14 @@ def _bad_mesh(case: str) -> str:
             fsdp_lite.fully_shard(model.blocks[0], mesh=mesh)
         elif case == "tp_mesh":
             fsdp_lite.fully_shard(model.blocks[0], mesh=mesh["tp"])
-        elif case == "other_mesh":
+        elif case == "other_mesh":  # another mesh's dp dim: dims named otherwise
+            other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "model"))
+            fsdp_lite.fully_shard(model.blocks[0], mesh=other["data"])
+        elif case == "equal_mesh":  # an equal mesh from another call: taken, as torch does
             other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             fsdp_lite.fully_shard(model.blocks[0], mesh=other["dp"])
+            x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+            model(x).sum().backward()  # its gathers and reductions run on the other mesh
         elif case == "hsdp":
             mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "shard", "tp"))
             model = parallelize(build_tplm(), mesh3["tp"])
@@ -252,6 +257,7 @@ BAD_MESHES = {
     "tp_mesh": "ValueError: parameter 'attn_norm.weight' is a DTensor on a mesh of ranks",
     "other_mesh": "ValueError: parameter 'attn_norm.weight': its tensor-parallel mesh and the "
     "sharding mesh are not dims of one DeviceMesh",
+    "equal_mesh": "no error",
     "hsdp": "NotImplementedError: parameter 'attn_norm.weight': tensor parallel with HSDP",
     "shard_dim_out_of_range": "AssertionError: Shard dim 1 is invalid for 1D tensor: "
     "torch.Size([24]) (shard_placement_fn gave 'attn_norm.weight' Shard(dim=1))",

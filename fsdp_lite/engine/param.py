@@ -259,7 +259,9 @@ class TensorParallel:
                 f"parameter {fqn!r} has placements {param.placements} on a {tp_mesh.ndim}-D mesh; "
                 "only Shard and Replicate on a 1-D tensor-parallel mesh are built"
             )
-        if dp_mesh._get_root_mesh() is not tp_mesh._get_root_mesh():
+        # Equal, not identical: torch FSDP2 takes a TP mesh from another init_device_mesh call
+        # of the same shape and names (DeviceMesh equality).
+        if dp_mesh._get_root_mesh() != tp_mesh._get_root_mesh():
             raise ValueError(
                 f"parameter {fqn!r}: its tensor-parallel mesh and the sharding mesh are not dims "
                 "of one DeviceMesh; build one with init_device_mesh(..., mesh_dim_names=('dp', "
