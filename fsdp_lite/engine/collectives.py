@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fsdp_lite.engine.observe import Collective
 
@@ -47,6 +48,20 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 Waiter = Callable[[Sequence[dist.Work]], None]
+
+
+def _counted_by_comm_debug_mode() -> bool:
+    """Whether torch's ``CommDebugMode`` is counting collectives now. It counts the backend's
+    collectives, not sends, so under it a gather or reduce-scatter goes by the backend's own
+    (the same bytes and the same sums: Transport) and is counted as the collective it is.
+    torch's mode stack is private (torch.utils._python_dispatch, torch 2.4-2.13); this is the
+    one place that reads it, and tests/test_comm_counts.py fails if it stops working."""
+    modes = _get_current_dispatch_mode_stack()
+    if not modes:  # the usual case, in half a microsecond
+        return False
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    return any(isinstance(m, CommDebugMode) for m in modes)
 
 
 class CollectiveError(RuntimeError):
@@ -216,7 +231,11 @@ def all_gather(
     if all_gather_output is None:
         all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
     transport = transport or Transport.choose(group, all_gather_input.device)
-    if transport.all_gather_by_sends:
+    if world_size == 1:  # one rank's rows are the whole output: no collective, as torch FSDP2
+        if not _same_memory(all_gather_output, all_gather_input):
+            all_gather_output.copy_(all_gather_input)
+        return AllGatherResult(all_gather_output, [])
+    if transport.all_gather_by_sends and not _counted_by_comm_debug_mode():
         rows = all_gather_output.view(world_size, -1)  # (N, numel): row r is rank r's input
         if not _same_memory(rows[rank], all_gather_input):
             rows[rank].copy_(all_gather_input)
@@ -307,8 +326,10 @@ def reduce_scatter(
       rank 0 reduce_scatter_output [6, 8]         rank 1 reduce_scatter_output [10, 12]
     """
     world_size = dist.get_world_size(group)
+    if world_size == 1:  # the sum of one row is that row: no collective, as torch FSDP2
+        return ReduceResult(reduce_scatter_input, reduce_scatter_input, [])
     transport = transport or Transport.choose(group, reduce_scatter_input.device)
-    if transport.reduce_scatter_by_sends and world_size == 2:
+    if transport.reduce_scatter_by_sends and world_size == 2 and not _counted_by_comm_debug_mode():
         result = _reduce_scatter_by_sends(reduce_scatter_input, group, tag)
         if not async_op:
             result.wait()
