@@ -269,6 +269,7 @@ def fully_shard(
         m.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(_post_forward)
         m.register_state_dict_pre_hook(_state_dict_pre_hook)
+        m.register_state_dict_post_hook(_state_dict_post_hook)
         m.register_load_state_dict_post_hook(_load_state_dict_post_hook)
         m.__class__ = _fsdp_class(type(m))
         register_state(m, _PipelineView(unit))
@@ -495,6 +496,14 @@ def _post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
 
 def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     to_rest(module)  # the modules hold the sharded DTensors, whose storage the values share
+
+
+def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    # Under torch's get_model_state_dict(full_state_dict=True) the unit gathers its own entries,
+    # watched by the order check (state_dict.py Note [Full state dicts for torch's helper]).
+    from fsdp_lite.state import state_dict as impl  # lazily, as fsdp1.py does
+
+    impl.full_state_dict_hook(module, state_dict, prefix, metadata)
 
 
 def _load_state_dict_post_hook(module: nn.Module, incompatible_keys: Any) -> None:

@@ -34,6 +34,25 @@ SHARDED, on the shards' device, whatever ``state_dict_type`` says (FSDP1's setti
 by the helper too). The helper does the rest, exactly as for FSDP2. Recognizing a caller by its
 frame reads no private state and patches nothing; if torch renames those functions, wrappers
 fall back to their settings and ``set_state_dict_type(SHARDED_STATE_DICT)`` still works.
+
+Note [Full state dicts for torch's helper]: asked for ``full_state_dict=True``, torch's helper
+gathers each DTensor it gets with ``full_tensor()``: a functional all-gather on the DTensor's
+mesh, which for fsdp_lite's units is the units' own group. That collective is neither logged nor
+watched by the collective-order check (tools/order.py), and on gloo it takes its place among the
+group's collectives: called on rank 0 only while rank 1 all-gathers something of its own (HF
+Trainer's pattern), gloo paired the two and aborted rank 1 ("Received data size doesn't match
+expected size"); same sizes would have exchanged the wrong data. So while the helper's
+``_get_model_state_dict`` asks for a full state dict, each unit gathers its own entries itself
+(``gather_for_torch_helper``): one ``gather_full`` per unit, children first as in Note [Full state
+dict, one unit at a time], in phase "state_dict", with the unit's own point-to-point tags and the
+order check watching, and hands the helper plain tensors, which it keeps as they are. With
+``cpu_offload`` the helper keeps rank 0's values only (torch's ``ranks_only``): the values go to
+CPU unit by unit, and the other ranks take part in each gather but keep nothing (their entries
+become their local shards, which the helper drops; a DTensor left there would make the helper
+gather on those ranks alone). Units whose parameters are tensor-parallel DTensors, or not sharded,
+are left to the helper: a TP parameter's full value needs the TP mesh's gather too, and an
+unsharded one needs none. The FSDP1 wrapper does it in ``after_state_dict``; a fully_shard
+module through ``full_state_dict_hook``, its state dict post hook.
 """
 
 from __future__ import annotations
@@ -46,6 +65,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -74,10 +94,13 @@ __all__ = [
     "before_load",
     "clean_load_result",
     "default_settings",
+    "full_state_dict_hook",
+    "gather_for_torch_helper",
     "get_state_dict_type",
     "set_state_dict_type",
     "settings_of",
     "state_dict_type",
+    "torch_helper_wants_full",
     "wrappers_in",
 ]
 
@@ -129,6 +152,25 @@ def _called_by_torch_helper() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def torch_helper_wants_full() -> bool | None:
+    """Whether torch's helper is saving a full state dict (Note [Full state dicts for torch's
+    helper]): None if not; else whether it asks for ``cpu_offload`` too. Read from the
+    ``info`` of its ``_get_model_state_dict`` frame; None where torch renamed either."""
+    module_name, _ = TORCH_STATE_DICT_HELPER
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == module_name:
+            if frame.f_code.co_name == "_get_model_state_dict":
+                info = frame.f_locals.get("info")
+                if getattr(info, "full_state_dict", False) is not True:
+                    return None
+                return bool(getattr(info, "cpu_offload", False))
+            if frame.f_code.co_name == "_load_model_state_dict":
+                return None
+        frame = frame.f_back
+    return None
 
 
 def effective_settings(wrapper: nn.Module) -> StateDictSettings:
@@ -325,6 +367,10 @@ def after_state_dict(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str
     unit: ShardedUnit = wrapper._unit
     own = _own_keys(wrapper, prefix)
     _restore_buffer_dtypes(wrapper, state_dict, prefix)
+    cpu_offload = torch_helper_wants_full()
+    if cpu_offload is not None:  # Note [Full state dicts for torch's helper]
+        gather_for_torch_helper(unit, state_dict, own, cpu_offload)
+        return state_dict
     cpu = torch.device("cpu")
     if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
         rank0_only = getattr(config, "rank0_only", False)
@@ -356,6 +402,44 @@ def after_state_dict(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str
     if config.offload_to_cpu:
         _to_cpu(state_dict, prefix)
     return state_dict
+
+
+def gather_for_torch_helper(
+    unit: ShardedUnit, state_dict: dict[str, Any], own: dict[str, ShardedParam], cpu_offload: bool
+) -> None:
+    """Replace the DTensor values of ``own`` (key -> parameter of ``unit``) in ``state_dict`` by
+    the full parameters, gathered by ``unit``: Note [Full state dicts for torch's helper]."""
+    if not (unit.rules.shard_params and unit.params) or any(p.tp is not None for p in unit.params):
+        return  # left to torch's full_tensor(): no collective, or one over the TP mesh too
+    keys = {key: p for key, p in own.items() if isinstance(state_dict.get(key), DTensor)}
+    if not keys:
+        return
+    keep = not cpu_offload or dist.get_rank() == 0  # torch's ranks_only=(0,) under cpu_offload
+    device = torch.device("cpu") if cpu_offload else None
+    flats = [p.sharded_flat for p in unit.params]
+    full = dict(zip(unit.params, unit.gather_full(flats, "state_dict", keep, device)))
+    for key, p in keys.items():
+        state_dict[key] = full[p] if keep else state_dict[key].to_local()
+
+
+def full_state_dict_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict
+) -> None:
+    """A fully_shard module's state dict post hook: under torch's helper saving a full state
+    dict, its unit gathers the module's own entries (Note [Full state dicts for torch's
+    helper]); otherwise it leaves the sharded DTensors as they are."""
+    cpu_offload = torch_helper_wants_full()
+    if cpu_offload is None:
+        return
+    unit: ShardedUnit = module._unit
+    by_location = {(id(m), attr): p for p in unit.params for m, attr in p.locations}
+    own: dict[str, ShardedParam] = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        for attr in m._parameters:
+            p = by_location.get((id(m), attr))
+            if p is not None:
+                own[prefix + clean_name(f"{path}.{attr}" if path else attr)] = p
+    gather_for_torch_helper(unit, state_dict, own, cpu_offload)
 
 
 def _to_cpu(state_dict: dict[str, Any], prefix: str) -> None:
