@@ -11,10 +11,14 @@ models of every size compare). Per case and stage:
 
   regression   the stage passed before and fails now; or its distance to either reference grew
                by more than ``factor`` (from 0, i.e. bitwise, to anything counts); or the case
-               passed (or was failing with a comparison) and now raises, is unsupported, or a
-               case the baseline does not have fails
+               passed (or was failing with a comparison) and now raises, crashes (a rank died
+               in it) or is unsupported, or a case the baseline does not have fails or crashes
   improvement  the stage failed before and passes now; or a distance shrank by more than
-               ``factor`` (to 0 counts); or the case failed or was unsupported and passes now
+               ``factor`` (to 0 counts); or the case failed, crashed or was unsupported and
+               passes now
+
+A run where a rank died exits 4 whatever the comparison says (cli.py): the crashes are listed here
+too, as regressions where the baseline ran the case to its end.
 """
 
 from __future__ import annotations
@@ -152,15 +156,18 @@ def _compare_case(name: str, before: dict, after: dict, factor: float):
     regressions: list[Change] = []
     improvements: list[Change] = []
     was, now = before["status"], after["status"]
-    was_raised = was == "failed" and before.get("traceback")
+    was_raised = (was == "failed" and before.get("traceback")) or was == "crashed"
     now_raised = now == "failed" and after.get("traceback")
     if was != "unsupported" and now == "unsupported":
         regressions.append(Change(name, None, f"{was}, unsupported now: {after.get('reason')}"))
         return regressions, improvements
+    if now == "crashed" and was != "crashed":
+        regressions.append(Change(name, None, f"{was}, crashes now: {after.get('reason')}"))
+        return regressions, improvements
     if now_raised and not was_raised:
         regressions.append(Change(name, None, f"{was}, raises now: {after.get('reason')}"))
         return regressions, improvements
-    if was in ("unsupported", "failed") and now == "passed":
+    if was in ("unsupported", "failed", "crashed") and now == "passed":
         improvements.append(Change(name, None, f"{was}, passes now"))
         return regressions, improvements
     if was_raised or was == "unsupported":
@@ -207,8 +214,9 @@ def compare_reports(
     )
     for name, case in new.items():
         if name not in old:
-            if case["status"] == "failed":
-                result.regressions.append(Change(name, None, f"new case, fails: {case['reason']}"))
+            if case["status"] in ("failed", "crashed"):
+                what = "fails" if case["status"] == "failed" else "crashes"
+                result.regressions.append(Change(name, None, f"new case, {what}: {case['reason']}"))
             continue
         regressions, improvements = _compare_case(name, old[name], case, factor)
         result.regressions += regressions

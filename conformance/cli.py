@@ -3,12 +3,17 @@
 Without ``RANK`` in the environment it starts ``--nproc`` local ranks itself through torchrun's
 entry point (``torchrun --standalone``) and waits for them; under ``torchrun`` it
 uses the ranks it is given. Every rank builds the same case list and calls ``run_cases`` in one
-process group; rank 0 prints progress and the summary and writes the reports.
+process group; rank 0 prints progress and writes each case's result to the events file as soon
+as it is known. Launched here, a rank that dies ends only its case: the launching process records
+it ``crashed``, starts fresh ranks for the cases left, and prints the summary and writes the
+reports from the events file (launcher.py, Note [Results that survive a rank]). Under ``torchrun``
+rank 0 prints the summary and writes the reports.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -17,7 +22,9 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "parse_args"]
 
@@ -76,7 +83,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         type=float,
         default=None,
         help="seconds a collective may wait before the case is failed (default 60; 20 in a "
-        "self-test)",
+        "self-test); a rank that waits twice that at a stage end for the others has a peer that "
+        "hung, and the case is crashed",
     )
     parser.add_argument(
         "--case",
@@ -111,7 +119,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="with --compare-to: a stage whose distance to a reference grew (shrank) more than F "
         "times is a regression (improvement); default 10",
     )
-    parser.add_argument("--exitfirst", action="store_true", help="stop after the first failed case")
+    parser.add_argument(
+        "--exitfirst", action="store_true", help="stop after the first failed or crashed case"
+    )
+    parser.add_argument(
+        "--retry-crashed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run a case whose rank died again, up to N times, in fresh ranks starting with it, "
+        "to tell a deterministic crash from a flaky one (default 0)",
+    )
+    parser.add_argument(
+        "--jsonl",
+        metavar="PATH",
+        help="append each case's result to PATH as a JSON line as soon as it is known (and a "
+        "line when a case starts, and when one crashes)",
+    )
     parser.add_argument(
         "--self-test",
         action="store_true",
@@ -142,11 +166,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--verbose", "-v", action="store_true", help="log diagnostics (logger 'conformance')"
     )
-    parser.add_argument("--status-file", help=argparse.SUPPRESS)  # set by the self-launch
+    parser.add_argument("--launch-dir", help=argparse.SUPPRESS)  # set by launcher.Launcher
+    parser.add_argument("--case-range", help=argparse.SUPPRESS)  # A:B, set by the launcher
     args = parser.parse_args(argv)
     args.impl = args.impl or ["fsdp_lite"]
     if args.nproc < 1 or args.steps < 1:
         parser.error("--nproc and --steps must be at least 1")
+    if args.retry_crashed < 0:
+        parser.error(f"--retry-crashed takes 0 or more, not {args.retry_crashed}")
+    if args.jsonl is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.jsonl))):
+        parser.error(f"--jsonl {args.jsonl}: its directory does not exist")
     from conformance.matrix import OPTIMIZERS
 
     args.optimizers = [o for o in args.optimizers.split(",") if o]
@@ -223,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "RANK" in os.environ:
             print("conformance: --world-sizes launches its own ranks; run it without torchrun")
             return 1
-        return world_size.run(args, _without_nproc(argv), _torchrun)
+        with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
+            return world_size.run(args, _rank_argv(argv), _launchers(tmp, args.timeout))
     if args.list:
         cases, notes, _ = _cases(args, int(os.environ.get("WORLD_SIZE", args.nproc)))
         for note in notes:
@@ -233,56 +263,92 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.self_test:
         from conformance import selftest
 
-        return selftest.run(args, _torchrun)
-    if "RANK" in os.environ:  # started by torchrun, or by launch() below
+        with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
+            launchers = _launchers(tmp, args.timeout)
+            return selftest.run(args, lambda nproc, argv: launchers(nproc).run(argv))
+    if "RANK" in os.environ:  # started by torchrun, or by a Launcher
+        if args.retry_crashed and not args.launch_dir:
+            print(
+                "conformance: --retry-crashed needs the ranks it launches; run it without torchrun"
+            )
+            return 1
         return run_rank(args)
     return launch(args, argv)
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run this module on ``args.nproc`` local ranks; rank 0 leaves the exit status in a file.
+    """Run the cases on ``args.nproc`` local ranks, in as many launches as dying ranks need, then
+    print the summary and write the reports (launcher.py, Note [Results that survive a rank])."""
+    from conformance.launcher import run_surviving
 
-    Through torchrun's own entry point, so that judging any FSDP needs nothing but torch installed
-    (fsdp_lite is imported only by its adapters). The ranks get every option but ``--nproc``.
-    """
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
-        status_file = os.path.join(tmp, "status.json")
-        if not _torchrun(args.nproc, [*_without_nproc(argv), "--status-file", status_file]):
-            return 1
-        try:
-            with open(status_file) as f:
-                return int(json.load(f)["exit_status"])
-        except (OSError, ValueError, KeyError):
-            print("conformance: rank 0 left no status; treating the run as failed", file=sys.stderr)
-            return 1
-
-
-def _torchrun(nproc: int, argv: list[str]) -> bool:
-    """``python -m conformance ARGV`` on ``nproc`` local ranks; False when a rank failed."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    try:
-        torchrun(
-            # --standalone: a c10d rendezvous on a free local port; torchrun also sets
-            # OMP_NUM_THREADS=1 for the ranks, so they do not fight over the cores.
-            ["--standalone", f"--nproc-per-node={nproc}", "--module", "conformance", *argv]
+        events = Path(args.jsonl) if args.jsonl else Path(tmp) / "events.jsonl"
+        events.write_text("")  # this run's lines only
+        state = run_surviving(
+            _launchers(tmp, args.timeout)(args.nproc),
+            _rank_argv(argv),
+            events,
+            retry_crashed=args.retry_crashed,
+            exitfirst=args.exitfirst,
         )
-    except ChildFailedError as e:
-        print(f"conformance: a rank failed (its traceback is above)\n{e}", file=sys.stderr)
-        return False
-    return True
+    results = _assemble(state)
+    if state.plan is not None:
+        meta = dict(state.plan["meta"])
+    else:  # the ranks died before they listed the cases
+        meta = {"impls": args.impl, "world_size": args.nproc, "backend": args.backend}
+    meta.update(
+        seconds=round(state.seconds, 2), launches=state.launches, retry_crashed=args.retry_crashed
+    )
+    return _finish(args, results, meta, print, outside=state.outside)
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
-    """``argv`` less ``--nproc N`` / ``--nproc=N``, which only the launching process reads."""
+def _launchers(work: str, timeout_s: float) -> Callable[[int], Any]:
+    """A ``Launcher`` per rank count, its launches' files under ``work``: a rank that waits for
+    the others twice the collective timeout at a stage end has a peer that hung (launcher.py)."""
+    from conformance.launcher import Launcher
+
+    made: dict[int, Launcher] = {}
+
+    def launcher(nproc: int) -> Launcher:
+        if nproc not in made:
+            made[nproc] = Launcher(nproc, Path(work) / f"ranks{nproc}", 2 * timeout_s)
+        return made[nproc]
+
+    return launcher
+
+
+def _assemble(state) -> list:
+    """The run's results in case order from what the launches left: each case's result, or its
+    crash."""
+    from conformance.matrix import Case
+    from conformance.results import CaseResult, case_from_json
+
+    results = []
+    for index in sorted(set(state.results) | set(state.crashed)):
+        if index not in state.crashed:
+            results.append(case_from_json(state.results[index]))
+            continue
+        start, crash = state.starts[index], state.crashed[index]
+        reason = crash["summary"]
+        if crash.get("verdict"):
+            reason += f"; {crash['verdict']}: crashed in {crash['crashed_runs']} runs"
+        case = Case(**start["fields"])
+        seconds = crash["case_seconds"]
+        results.append(CaseResult(case, "crashed", reason, seconds=seconds, crash=crash))
+    return results
+
+
+def _rank_argv(argv: list[str]) -> list[str]:
+    """``argv`` less what only the launching process reads: ``--nproc``, ``--jsonl`` (the
+    launcher passes the run's events file), ``--retry-crashed``."""
+    takes_value = ("--nproc", "--jsonl", "--retry-crashed")
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--nproc":
+        elif arg in takes_value:
             skip = True
-        elif not arg.startswith("--nproc="):
+        elif not arg.startswith(tuple(f"{flag}=" for flag in takes_value)):
             out.append(arg)
     return out
 
@@ -330,11 +396,18 @@ def _cases(args: argparse.Namespace, world_size: int):
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """One rank's whole run: join the group, run every case, report on rank 0."""
+    """One rank's whole run: join the group, run the cases of ``--case-range``, write each
+    result to the events file; under torchrun, rank 0 also prints the summary and reports."""
+    if args.launch_dir:
+        from conformance.launcher import rank_setup
+
+        rank_setup(args.launch_dir)  # stderr to the launch's files, faulthandler, heartbeat
+
     import torch
     import torch.distributed as dist
 
     from conformance import report
+    from conformance.launcher import EventLog
     from conformance.runner import run_cases
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -350,6 +423,7 @@ def run_rank(args: argparse.Namespace) -> int:
         timeout=datetime.timedelta(seconds=args.timeout * 2 + 60),
         device_id=device if device.type == "cuda" else None,
     )
+    events = EventLog(args.jsonl) if args.jsonl and rank == 0 else None
     try:
         if args.self_test_plan:
             from conformance.selftest import rank_main
@@ -359,79 +433,126 @@ def run_rank(args: argparse.Namespace) -> int:
         if args.world_size_run:
             from conformance.world_size import rank_main as world_size_rank
 
-            world_size_rank(args, device)
+            world_size_rank(args, device, events)
             _leave_together()
             return 0
         world_size = dist.get_world_size()
         cases, notes, adapters = _cases(args, world_size)
+        first, last = _case_range(args.case_range, len(cases))
 
         def say(line: str) -> None:
             if rank == 0:
                 print(line, flush=True)  # stdout is often a pipe: flush, or lines arrive at exit
 
-        say(
-            f"conformance: {len(cases)} cases for {', '.join(adapters)} at world size {world_size} "
-            f"({args.backend}, {device.type}), {args.steps} steps + a state-dict round trip each"
-        )
-        for note in notes:
-            say(f"note: {note}")
+        def emit(event: dict[str, Any]) -> None:
+            if events is not None:
+                events.write(event)
+
+        meta = {
+            "impls": list(adapters),
+            "world_size": world_size,
+            "backend": args.backend,
+            "device": device.type,
+            "steps": args.steps,
+            "quick": args.quick,
+            "optimizers": args.optimizers,
+            "only": args.only,
+            "case": args.case,
+            "shard": args.shard,
+            "model": args.model,
+            "exitfirst": args.exitfirst,
+        }
+        emit({"event": "run", "cases": [c.name for c in cases], "notes": notes, "meta": meta})
+        if first == 0:  # not again when fresh ranks go on after a crash
+            say(
+                f"conformance: {len(cases)} cases for {', '.join(adapters)} at world size "
+                f"{world_size} ({args.backend}, {device.type}), {args.steps} steps + a state-dict "
+                "round trip each"
+            )
+            for note in notes:
+                say(f"note: {note}")
+
+        def started(index: int, case) -> None:
+            fields = dataclasses.asdict(case)
+            emit({"event": "start", "index": first + index, "case": case.name, "fields": fields,
+                  "time": time.time()})  # fmt: skip
+
+        def done(index: int, total: int, result) -> None:
+            say(report.format_progress(first + index, len(cases), result))
+            emit({"event": "case", "index": first + index, **report.case_json(result)})
+
         start = time.perf_counter()
         results = run_cases(
-            cases,
+            cases[first:last],
             adapters,
             steps=args.steps,
             device=device,
             timeout_s=args.timeout,
-            progress=lambda i, n, r: say(report.format_progress(i, n, r)),
+            progress=done,
             exitfirst=args.exitfirst,
+            started=started,
         )
         elapsed = time.perf_counter() - start
+        emit({"event": "end", "seconds": round(elapsed, 2)})
+        if args.launch_dir:  # the launching process reports, from the events file
+            _leave_together()
+            return 0
         status = report.exit_status(results)
         if rank == 0:
-            say("")
-            say(report.format_summary(results))
-            say(f"wall time {elapsed:.1f} s")
-            meta = {
-                "impls": list(adapters),
-                "world_size": world_size,
-                "backend": args.backend,
-                "device": device.type,
-                "steps": args.steps,
-                "quick": args.quick,
-                "optimizers": args.optimizers,
-                "only": args.only,
-                "case": args.case,
-                "shard": args.shard,
-                "model": args.model,
-                "exitfirst": args.exitfirst,
-                "seconds": round(elapsed, 2),
-            }
-            text = report.to_json(results, meta)
-            markdown = report.to_markdown(results)
-            if args.compare_to is not None:
-                comparison = _compare(args, json.loads(text))
-                say("")
-                say(comparison.format())
-                status = comparison.exit_status
-                doc = json.loads(text)
-                doc["comparison"] = comparison.to_json()
-                doc["exit_status"] = status
-                text = json.dumps(doc, indent=2)  # already strict: to_json made it so
-                markdown += "\n" + comparison.format_markdown()
-            _write(args.json, text)
-            _write(args.junit, report.to_junit(results))
-            _write(args.markdown, markdown)
-            _write(args.status_file, json.dumps({"exit_status": status}))
+            meta["seconds"] = round(elapsed, 2)
+            status = _finish(args, results, meta, say)
         if args.compare_to is not None:  # only rank 0 compared: every rank exits alike
             shared = [status]
             dist.broadcast_object_list(shared, src=0)
             status = shared[0]
         _leave_together()
-        # Self-launched ranks exit 0 and the launcher returns the status (a non-zero exit would
-        # read as a crash); under torchrun every rank exits with it.
-        return 0 if args.status_file else status
+        return status  # under torchrun every rank exits with it
     finally:
+        if events is not None:
+            events.close()
         dist.destroy_process_group()
+
+
+def _case_range(text: str | None, total: int) -> tuple[int, int]:
+    """``--case-range A:B`` (B empty: to the end) as (A, B); the whole list without it."""
+    if not text:
+        return 0, total
+    first, _, last = text.partition(":")
+    return int(first), int(last) if last else total
+
+
+def _finish(
+    args: argparse.Namespace,
+    results: list,
+    meta: dict[str, Any],
+    say: Callable[[str], None],
+    outside: Sequence[dict[str, Any]] = (),
+) -> int:
+    """Print the summary, compare with the baseline, write the reports; the exit status."""
+    from conformance import report
+
+    status = report.exit_status(results, outside)
+    say("")
+    say(report.format_summary(results, outside))
+    say(f"wall time {meta['seconds']:.1f} s")
+    text = report.to_json(results, meta, outside)
+    markdown = report.to_markdown(results, outside=outside)
+    if args.compare_to is not None:
+        comparison = _compare(args, json.loads(text))
+        say("")
+        say(comparison.format())
+        # A crash wins: the cases after a dead rank ran in fresh ranks, but the one it killed
+        # has no result to compare.
+        status = status if status == report.EXIT_CRASHED else comparison.exit_status
+        doc = json.loads(text)
+        doc["comparison"] = comparison.to_json()
+        doc["exit_status"] = status
+        text = json.dumps(doc, indent=2)  # already strict: to_json made it so
+        markdown += "\n" + comparison.format_markdown()
+    _write(args.json, text)
+    _write(args.junit, report.to_junit(results, outside=outside))
+    _write(args.markdown, markdown)
+    return status
 
 
 def _leave_together() -> None:

@@ -201,7 +201,8 @@ class ConformanceItem(pytest.Item):
             pytest.skip(f"unsupported: {case['reason']}")
         if case["status"] == "failed" and comparison is not None and not regressions:
             pytest.xfail(f"failed in the baseline too: {case['reason']}")
-        if case["status"] == "failed" or regressions:
+        # crashed (a rank died in it) fails whatever the baseline says, as the exit status does
+        if case["status"] in ("failed", "crashed") or regressions:
             message = describe_case(case)
             if regressions:
                 message += "\nregressions against the baseline:\n" + "\n".join(

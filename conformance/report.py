@@ -21,11 +21,15 @@ from typing import Any
 import torch
 
 from conformance.compare import StageTally
-from conformance.runner import CaseResult
+from conformance.results import CaseResult
 from conformance.tolerances import STAGES, TABLE
 
 __all__ = [
+    "EXIT_CRASHED",
+    "EXIT_FAILED",
+    "EXIT_PASSED",
     "NON_FINITE",
+    "case_json",
     "describe_case",
     "SCHEMA_VERSION",
     "exit_status",
@@ -42,7 +46,13 @@ __all__ = [
 
 # 1: the first schema. 2: non-finite numbers are the strings in NON_FINITE (JSON has no NaN or
 # Infinity; Python's json module writes them as bare literals that strict parsers reject).
-SCHEMA_VERSION = 2
+# 3: a case may be "crashed" (a rank died in it), with a "crash" object; "summary" counts them;
+# "crashes_outside_cases" lists the ranks that died between cases (launcher.py).
+SCHEMA_VERSION = 3
+# Exit statuses of a run (with --compare-to, baseline.py's 0, 2 and 3 replace the first two).
+EXIT_PASSED = 0  # every case passed or is unsupported
+EXIT_FAILED = 1  # a case failed: a comparison, or it raised
+EXIT_CRASHED = 4  # a rank died (signal, native abort, exit, hang), in a case or outside any
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _COLUMNS = (
     "impl",
@@ -58,9 +68,12 @@ _COLUMNS = (
 )
 
 
-def exit_status(results: Sequence[CaseResult]) -> int:
-    """1 if any case failed, else 0 (unsupported is not a failure)."""
-    return int(any(r.status == "failed" for r in results))
+def exit_status(results: Sequence[CaseResult], outside: Sequence[dict[str, Any]] = ()) -> int:
+    """EXIT_CRASHED if a rank died (in a case, or ``outside`` any), else EXIT_FAILED if a case
+    failed, else EXIT_PASSED (unsupported is not a failure)."""
+    if outside or any(r.status == "crashed" for r in results):
+        return EXIT_CRASHED
+    return EXIT_FAILED if any(r.status == "failed" for r in results) else EXIT_PASSED
 
 
 def _num(x: float) -> str:
@@ -75,6 +88,8 @@ def _worst_stage(r: CaseResult) -> str:
     """The failing stage (and step), or for a passing case the stage furthest from DDP."""
     if r.status == "unsupported":
         return "-"
+    if r.status == "crashed":
+        return "hung" if (r.crash or {}).get("kind") == "hang" else "rank died"
     first = r.first_failure()
     if first is not None:
         step, stage = first
@@ -121,17 +136,46 @@ def format_progress(index: int, total: int, r: CaseResult) -> str:
     return line
 
 
-def format_summary(results: Sequence[CaseResult]) -> str:
-    """The terminal table (one row per case), the counts, and what failed or was unsupported."""
+def _counts(results: Sequence[CaseResult]) -> str:
+    """``N cases: a passed, b failed, c unsupported`` (and ``, d crashed`` when some did)."""
+    counts = Counter(r.status for r in results)
+    text = (
+        f"{len(results)} cases: {counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['unsupported']} unsupported"
+    )
+    return text + (f", {counts['crashed']} crashed" if counts["crashed"] else "")
+
+
+def _crash_lines(crash: dict[str, Any], indent: str) -> list[str]:
+    """A crash's retries and the last lines of the dead rank's stderr, for the terminal."""
+    lines = []
+    if crash.get("verdict"):
+        lines.append(f"{indent}{crash['verdict']} crash: crashed in {crash['crashed_runs']} runs")
+        for i, run in enumerate(crash.get("runs", []), start=1):
+            lines.append(f"{indent}  run {i}: {run}")
+    tail = [ln for ln in (crash.get("stderr_tail") or "").splitlines() if ln.strip()]
+    if tail:
+        who = "its" if crash.get("rank") is not None else "the ranks'"
+        # The tail starts at the native message when there is one (launcher.py); a Python
+        # traceback says most at its end.
+        first = tail[0].strip() == crash.get("native") or crash.get("kind") == "hang"
+        shown = tail[:8] if first else tail[-8:]
+        which = "first" if first else "last"
+        lines.append(f"{indent}{who} stderr (the {which} lines; {len(tail)} in --json):")
+        lines += [f"{indent}  {ln[:200]}" for ln in shown]
+    return lines
+
+
+def format_summary(results: Sequence[CaseResult], outside: Sequence[dict[str, Any]] = ()) -> str:
+    """The terminal table (one row per case), the counts, and what failed, crashed or was
+    unsupported."""
     rows = [list(_COLUMNS)] + [_row(r) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    counts = Counter(r.status for r in results)
     lines += [
         "",
-        f"{len(results)} cases: {counts['passed']} passed, {counts['failed']} failed, "
-        f"{counts['unsupported']} unsupported",
+        _counts(results),
         "vs DDP / vs single: 'bitwise', or the largest absolute difference over all stages and steps.",
     ]
     failed = [r for r in results if r.status == "failed"]
@@ -153,6 +197,17 @@ def format_summary(results: Sequence[CaseResult]) -> str:
             if r.traceback:
                 last = [ln for ln in r.traceback.strip().splitlines() if ln.strip()][-1]
                 lines.append(f"    raised: {last.strip()[:300]} (full traceback in --json)")
+    crashed = [r for r in results if r.status == "crashed"]
+    if crashed:
+        lines += ["", "Crashed (a rank died; the cases after it ran in fresh ranks):"]
+        for r in crashed:
+            lines.append(f"  {r.case.name}: {r.reason}")
+            lines += _crash_lines(r.crash or {}, "    ")
+    if outside:
+        lines += ["", "Ranks that died outside any case:"]
+        for crash in outside:
+            lines.append(f"  {crash.get('where', '?')}: {crash['summary']}")
+            lines += _crash_lines(crash, "    ")
     unsupported = Counter((r.case.impl, r.reason) for r in results if r.status == "unsupported")
     if unsupported:
         lines += ["", "Unsupported (cases: reason):"]
@@ -174,7 +229,8 @@ def _tally_json(t: StageTally) -> dict[str, Any]:
     }
 
 
-def _case_json(r: CaseResult) -> dict[str, Any]:
+def case_json(r: CaseResult) -> dict[str, Any]:
+    """One case of the JSON report (results.case_from_json reads it back)."""
     c = r.case
     stages = {}
     for stage in STAGES:
@@ -208,10 +264,15 @@ def _case_json(r: CaseResult) -> dict[str, Any]:
         "traceback": r.traceback,
         "seconds": round(r.seconds, 3),
         "stages": stages,
+        "crash": r.crash,
     }
 
 
-def to_json(results: Sequence[CaseResult], meta: dict[str, Any]) -> str:
+def to_json(
+    results: Sequence[CaseResult],
+    meta: dict[str, Any],
+    outside: Sequence[dict[str, Any]] = (),
+) -> str:
     """The whole run as one JSON object (schema in docs/conformance.md)."""
     counts = Counter(r.status for r in results)
     doc = {
@@ -219,8 +280,9 @@ def to_json(results: Sequence[CaseResult], meta: dict[str, Any]) -> str:
         **meta,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "summary": {s: counts[s] for s in ("passed", "failed", "unsupported")},
-        "exit_status": exit_status(results),
+        "summary": {s: counts[s] for s in ("passed", "failed", "unsupported", "crashed")},
+        "exit_status": exit_status(results, outside),
+        "crashes_outside_cases": list(outside),
         "tolerance_table": [
             {
                 "precision": row.precision,
@@ -231,7 +293,7 @@ def to_json(results: Sequence[CaseResult], meta: dict[str, Any]) -> str:
             }
             for row in TABLE
         ],
-        "cases": [_case_json(r) for r in results],
+        "cases": [case_json(r) for r in results],
     }
     # allow_nan=False: a non-finite float that escaped json_safe raises here instead of writing
     # a report that strict parsers reject.
@@ -274,6 +336,8 @@ def describe_case(case: dict[str, Any]) -> str:
     lines = [f"{case['name']}: {case['status']} ({case['seconds']:.1f}s)"]
     if case.get("reason"):
         lines[0] += f": {case['reason']}"
+    if case.get("crash"):
+        lines += _crash_lines(case["crash"], "  ")
     for stage, verdict in case.get("stages", {}).items():
         for ref in ("vs_ddp", "vs_single"):
             t = verdict[ref]
@@ -291,18 +355,24 @@ def describe_case(case: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def to_junit(results: Sequence[CaseResult], suite_name: str = "conformance") -> str:
-    """JUnit XML: a testcase per case, <failure> naming the stage, <error> for an exception,
-    <skipped> for unsupported."""
+def to_junit(
+    results: Sequence[CaseResult],
+    suite_name: str = "conformance",
+    outside: Sequence[dict[str, Any]] = (),
+) -> str:
+    """JUnit XML: a testcase per case, <failure> naming the stage, <error> for an exception
+    (type "exception") or a rank that died (type "crashed"), <skipped> for unsupported; a rank
+    that died outside any case is a testcase of its own with an <error>."""
     counts = Counter(r.status for r in results)
-    errors = sum(1 for r in results if r.status == "failed" and r.traceback)
+    raised = sum(1 for r in results if r.status == "failed" and r.traceback)
+    errors = raised + counts["crashed"] + len(outside)
     root = ET.Element("testsuites")
     suite = ET.SubElement(
         root,
         "testsuite",
         name=suite_name,
-        tests=str(len(results)),
-        failures=str(counts["failed"] - errors),
+        tests=str(len(results) + len(outside)),
+        failures=str(counts["failed"] - raised),
         errors=str(errors),
         skipped=str(counts["unsupported"]),
         time=f"{sum(r.seconds for r in results):.3f}",
@@ -318,6 +388,13 @@ def to_junit(results: Sequence[CaseResult], suite_name: str = "conformance") -> 
         )
         if r.status == "unsupported":
             ET.SubElement(case_el, "skipped", message=f"unsupported: {r.reason}")
+        elif r.status == "crashed":
+            err = ET.SubElement(case_el, "error", message=r.reason or "crashed", type="crashed")
+            err.text = (
+                "\n".join(_crash_lines(r.crash or {}, ""))
+                + "\n\n"
+                + ((r.crash or {}).get("stderr_tail") or "")
+            )
         elif r.status == "failed" and r.traceback:
             err = ET.SubElement(case_el, "error", message=r.reason or "raised", type="exception")
             err.text = r.traceback
@@ -340,6 +417,16 @@ def to_junit(results: Sequence[CaseResult], suite_name: str = "conformance") -> 
             for s, per in r.stages.items()
             if per["ddp"].compared
         )
+    for crash in outside:
+        case_el = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"{suite_name}.launch",
+            name=f"a rank died {crash.get('where', 'outside any case')}",
+            time="0.000",
+        )
+        err = ET.SubElement(case_el, "error", message=crash["summary"], type="crashed")
+        err.text = crash.get("stderr_tail") or ""
     for el in root.iter():  # messages and tracebacks may carry terminal escapes: see xml_text
         el.text = xml_text(el.text)
         for key, value in el.attrib.items():
@@ -348,23 +435,28 @@ def to_junit(results: Sequence[CaseResult], suite_name: str = "conformance") -> 
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
-def to_markdown(results: Sequence[CaseResult], title: str = "Conformance") -> str:
-    """The summary table as Markdown."""
-    counts = Counter(r.status for r in results)
+def to_markdown(
+    results: Sequence[CaseResult],
+    title: str = "Conformance",
+    outside: Sequence[dict[str, Any]] = (),
+) -> str:
+    """The summary table as Markdown, then the reasons, then the crashes."""
     lines = [
         f"## {title}",
         "",
-        f"{len(results)} cases: {counts['passed']} passed, {counts['failed']} failed, "
-        f"{counts['unsupported']} unsupported.",
+        f"{_counts(results)}.",
         "",
         "| " + " | ".join(_COLUMNS) + " |",
         "|" + "---|" * len(_COLUMNS),
     ]
     for r in results:
         cells = _row(r)
-        cells[5] = {"passed": "✅ passed", "failed": "❌ failed", "unsupported": "➖ unsupported"}[
-            r.status
-        ]
+        cells[5] = {
+            "passed": "✅ passed",
+            "failed": "❌ failed",
+            "unsupported": "➖ unsupported",
+            "crashed": "💥 crashed",
+        }[r.status]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     notes = [r for r in results if r.status != "passed" and r.reason]
     if notes:
@@ -372,6 +464,36 @@ def to_markdown(results: Sequence[CaseResult], title: str = "Conformance") -> st
         lines += [
             f"| {r.case.name} | {r.reason.splitlines()[0].replace('|', '/')} |" for r in notes
         ]
+    crashes = [(r.case.name, r.crash or {}) for r in results if r.status == "crashed"]
+    crashes += [(f"(no case: {c.get('where', '?')})", c) for c in outside]
+    if crashes:
+        lines += [
+            "",
+            "### Crashed: a rank died",
+            "",
+            "| case | rank | signal or exit code | after stage | native message | retries |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, crash in crashes:
+            how = {
+                "signal": f"{crash.get('signal')} ({crash.get('signal_number')})",
+                "exit": f"exit code {crash.get('exit_code')}",
+                "hang": f"hung {crash.get('seconds') or 0:.0f} s",
+            }.get(crash.get("kind"), "-")
+            retries = (
+                f"{crash['verdict']}: crashed in {crash['crashed_runs']} runs"
+                if crash.get("verdict")
+                else "-"
+            )
+            cells = [
+                name,
+                "-" if crash.get("rank") is None else str(crash["rank"]),
+                how,
+                crash.get("after") or "-",
+                f"`{crash['native']}`" if crash.get("native") else "-",
+                retries,
+            ]
+            lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

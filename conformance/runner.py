@@ -13,6 +13,22 @@ the flag at their next stage end and stop the case too, so no rank waits in a co
 will never join. A rank already blocked inside a data collective is freed by the *data* group's
 timeout (the backstop), and reports then. After any error the data group is rebuilt, because the
 ranks may have left it with unmatched collectives.
+
+Note [A case's own error]: whatever a case raises is that case's error, ``BaseException`` included
+(DCP gathers every rank's failure into a ``CheckpointException``, which is not an ``Exception``;
+a library may call ``sys.exit``): the case fails with the traceback and the run goes on. Only
+``KeyboardInterrupt`` ends the run, since a person asked for that. A rank that dies natively
+takes no exception at all; the launcher sees that (launcher.py, Note [Results that survive a
+rank]).
+
+Note [Progress]: the launcher tells a hang from a slow stage by who waits: ``set_heartbeat``
+gives this module a callable, called with (state, where): "busy" when a case starts and each time
+every rank has passed a stage end (the control group's flag), "waiting" while this rank waits in
+that flag for the others to finish the stage, "idle" when the case is done. Each rank's callable
+writes a small file the launching process watches: a rank waiting longer than twice the
+collective timeout waits for a peer that stopped (launcher.py). A stage that is merely slow on
+every rank (DeepSpeed building its native ops at the first wrap, minutes) has no rank waiting.
+Nothing else changes when no callable is set.
 """
 
 from __future__ import annotations
@@ -52,6 +68,7 @@ from conformance.reference import (
     micro_batches,
     prepare_model,
 )
+from conformance.results import CaseResult
 from conformance.tolerances import STAGES, tolerance
 from conformance.training import ImplTrainer, OptimizerFactory, matrix_names, train_step
 from conformance.zoo import spec
@@ -68,34 +85,20 @@ class _PeerFailed(Exception):
     """Another rank failed in this case; this rank stops it too (see Note [Lockstep])."""
 
 
-@dataclass
-class CaseResult:
-    """The outcome of one case, the same on every rank."""
+_heartbeat: Callable[[str, str], None] | None = None  # Note [Progress]
 
-    case: Case
-    status: str  # "passed" | "failed" | "unsupported"
-    reason: str | None = None  # why unsupported, or the error that failed the case
-    traceback: str | None = None  # the failing rank's traceback, when a case raised
-    stages: dict[str, dict[str, StageTally]] = field(default_factory=dict)  # stage -> ref -> tally
-    seconds: float = 0.0
 
-    def first_failure(self) -> tuple[int, str] | None:
-        """(1-based step, stage) of the earliest failed comparison, or None."""
-        found = [
-            (t.first_failed_step, STAGES.index(stage), stage)
-            for stage, per_ref in self.stages.items()
-            for t in per_ref.values()
-            if t.first_failed_step is not None
-        ]
-        if not found:
-            return None
-        step, _, stage = min(found)
-        return step, stage
+def set_heartbeat(hook: Callable[[str, str], None] | None) -> None:
+    """Call ``hook(state, where)`` at each case's start, stage ends and end (Note [Progress])."""
+    global _heartbeat
+    _heartbeat = hook
 
-    def failed_stages(self) -> list[str]:
-        return [
-            s for s, per_ref in self.stages.items() if not all(t.passed for t in per_ref.values())
-        ]
+
+def heartbeat(state: str, where: str) -> None:
+    """Tell the hook set by ``set_heartbeat`` (if any) what this rank does: "busy", "waiting"
+    (for the other ranks, in the control group) or "idle" (between cases)."""
+    if _heartbeat is not None:
+        _heartbeat(state, where)
 
 
 @dataclass
@@ -165,10 +168,13 @@ class RunContext:
             )
         return self._meshes_2d[(replicate, shard)]
 
-    def flag(self, failed: bool) -> bool:
-        """All-reduce an error flag on the control group; True when any rank failed."""
+    def flag(self, failed: bool, where: str = "") -> bool:
+        """All-reduce an error flag on the control group; True when any rank failed. Every
+        rank got past ``where`` then: progress (Note [Progress])."""
         t = torch.tensor([1.0 if failed else 0.0])
+        heartbeat("waiting", where)
         dist.all_reduce(t, group=self.control_group)
+        heartbeat("busy", where)
         return t.item() > 0
 
 
@@ -197,7 +203,9 @@ class _CaseRun:
             self._stage_done("end")
         except _PeerFailed:
             pass
-        except Exception as e:  # noqa: BLE001 - a failing case must not end the run
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - Note [A case's own error]
             out.error = traceback.format_exc()
             out.error_summary = f"{type(e).__name__}: {e}".strip()
             out.unsupported = isinstance(e, Unsupported) or (
@@ -210,11 +218,11 @@ class _CaseRun:
                 out.stage,
                 out.error,
             )
-            self.ctx.flag(True)
+            self.ctx.flag(True, f"{out.stage}, after an error")
         return out
 
     def _stage_done(self, stage: str) -> None:
-        if self.ctx.flag(False):
+        if self.ctx.flag(False, stage):
             raise _PeerFailed(stage)
 
     def _request(self, model: torch.nn.Module) -> WrapRequest:
@@ -474,6 +482,7 @@ def run_cases(
     progress: Callable[[int, int, CaseResult], None] | None = None,
     exitfirst: bool = False,
     references: ReferenceCache | None = None,
+    started: Callable[[int, Case], None] | None = None,
 ) -> list[CaseResult]:
     """Run ``cases`` on every rank of the default process group; return the same results everywhere.
 
@@ -485,6 +494,9 @@ def run_cases(
         device: this rank's device (default: cpu; pass cuda:LOCAL_RANK for NCCL).
         timeout_s: the data group's collective timeout, the backstop of Note [Lockstep].
         progress: called on every rank after each case with (index, total, result).
+        started: called on every rank before each case with (index, case), so that what a rank
+            dying in the case leaves behind names it (launcher.py, Note [Results that survive a
+            rank]).
         exitfirst: stop after the first failed case (every rank sees the same results, so all
             stop there together).
         references: recorded reference runs to reuse (and add to), e.g. across several calls
@@ -509,6 +521,8 @@ def run_cases(
             raise ValueError(
                 f"case {case.name} is for world size {case.world_size}, running {ctx.world_size}"
             )
+        if started is not None:
+            started(index, case)
         start = time.perf_counter()
         adapter = by_name[case.impl]
         reason = adapter.unsupported_reason(case)  # no collectives: every rank decides alike
@@ -517,6 +531,7 @@ def run_cases(
         if reason is not None:
             result = CaseResult(case, "unsupported", reason=reason)
         else:
+            heartbeat("busy", "started")
             scratch_dir = ctx.scratch_dir(index)
             outcome = _CaseRun(ctx, case, adapter, steps, scratch_dir).run()
             outcomes: list[Any] = [None] * ctx.world_size
@@ -525,6 +540,7 @@ def run_cases(
             result = _merge(case, outcomes, time.perf_counter() - start)
             if result.status == "failed" and result.traceback is not None:
                 ctx.rebuild()
+            heartbeat("idle", "done")
         results.append(result)
         if progress is not None:
             progress(index, len(cases), result)

@@ -15,7 +15,8 @@ share one process group, and isolation comes from the import system: every ``fsd
 is dropped from ``sys.modules`` before the next copy is imported, and the import is checked to come
 from that copy. Models wrapped by an earlier copy are gone by then (each case builds its own). A
 bug that kills a rank ends the launch; the parent then counts that entry as caught ("a rank
-died", which is what a user of the suite would see) and launches again for the entries left.
+died", which is what a user of the suite would see: the case it died in, which rank, how, and
+its native message, from launcher.py) and launches again for the entries left.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def _run_group(args, launch, work: Path, group: list[Bug], roots, control: str, 
     pending = list(group)
     attempt = 0
 
-    def launch_plan(entries: list[Bug], control_cases: list[str]) -> list[dict[str, Any]]:
+    def launch_plan(entries: list[Bug], control_cases: list[str]):
         nonlocal attempt
         attempt += 1
         plan_path = work / f"plan-ws{world_size}-{attempt}.json"
@@ -213,15 +214,15 @@ def _run_group(args, launch, work: Path, group: list[Bug], roots, control: str, 
             "results": str(results_path),
         }
         plan_path.write_text(json.dumps(plan))
-        launch(
+        death = launch(
             world_size,
             ["--self-test-plan", str(plan_path), "--steps", str(args.steps)]
             + ["--timeout", str(args.timeout)],
         )
-        return _read_events(results_path)
+        return _read_events(results_path), death
 
     while pending:
-        events = launch_plan(pending, [])
+        events, death = launch_plan(pending, [])
         for e in events:
             if e["event"] == "done":
                 kills[e["name"]] = Kill(**e["kill"])
@@ -229,8 +230,14 @@ def _run_group(args, launch, work: Path, group: list[Bug], roots, control: str, 
         crashed = [n for n in started if n not in kills]
         for name in crashed:  # the launch ended inside this entry: a rank died
             bug = next(b for b in group if b.name == name)
-            kills[name] = Kill(name, bug.bug_class, world_size, "caught", stage="a rank died")
-            print(f"conformance: {name}: a rank died; launching again for the entries left")
+            # The case it died in (kept out of ``case``: the clean copy's control run must not
+            # die with it) and how (a launcher.Death, when the launch function gives one).
+            cases = [e["case"] for e in events if e["event"] == "case_start" and e["name"] == name]
+            stage = "a rank died" + (f" in {_short(cases[-1])}" if cases else "")
+            summary = getattr(death, "summary", None)
+            stage += f": {summary()}" if summary else ""
+            kills[name] = Kill(name, bug.bug_class, world_size, "caught", stage=stage)
+            print(f"conformance: {name}: {stage}; launching again for the entries left")
         left = [b for b in pending if b.name not in kills]
         if len(left) == len(pending):  # no progress: the launch itself is broken
             for b in left:
@@ -239,7 +246,7 @@ def _run_group(args, launch, work: Path, group: list[Bug], roots, control: str, 
         pending = left
     killers = sorted({k.case for k in kills.values() if k.case is not None})
     if killers:
-        events = launch_plan([], killers)
+        events, _ = launch_plan([], killers)
         failed = next((e["failed"] for e in events if e["event"] == "control"), None)
         if failed is None:  # the control launch did not finish: no kill is confirmed
             failed = killers
@@ -335,6 +342,10 @@ def rank_main(plan_path: str, device) -> None:
             timeout_s=plan["timeout"],
             exitfirst=True,
             references=references,
+            # which case a rank died in, if one does (Note [One launch, many copies])
+            started=lambda _, case, name=entry["name"]: emit(
+                {"event": "case_start", "name": name, "case": case.name}
+            ),
         )
         kill = Kill(
             entry["name"],
@@ -477,6 +488,6 @@ def main_guard(args: argparse.Namespace) -> str | None:
         return "--self-test launches its own ranks: run it without torchrun"
     if args.impl != ["fsdp_lite"]:
         return "--self-test plants bugs in fsdp_lite: it takes no --impl"
-    if args.model or args.case or args.shard or args.compare_to:
+    if args.model or args.case or args.shard or args.compare_to or args.retry_crashed:
         return "--self-test takes --quick, --only (entry names), --steps, --timeout, --json, --markdown"
     return None

@@ -18,8 +18,10 @@ the largest difference from the smallest world size, in ulps and absolute.
   any stage fails the case, and the run's exit status is 1.
 
 One launch per world size runs every case in one process group, as the suite's ordinary runs do;
-rank 0 writes the full tensors of every stage to a scratch file, which the launching process
-compares once every world size has run.
+rank 0 writes the full tensors of every stage to a scratch file per case as soon as the case is
+done, which the launching process compares once every world size has run. A rank that dies ends
+only its case, recorded ``crashed`` (exit status 4), and fresh ranks go on with the next
+(launcher.py, Note [Results that survive a rank]).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,7 +63,9 @@ PRECISIONS = ("fp32", "bf16r32")  # fp32; bf16 params with fp32 reduce
 FEATURES = ("plain", "clip_grad_norm", "frozen_in_unit")
 _FREEZABLE = ("lm", "lm_untied", "wide_lm")
 STAGES = ("loss", "grads", "params", "optim_state")
-SCHEMA = "conformance-world-sizes/1"
+# /2: a case's status may be "crashed" (its "crashes" say how, by world size), and the report
+# has "crashes_outside_cases" (launcher.py)
+SCHEMA = "conformance-world-sizes/2"
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -154,11 +159,13 @@ class _WorldSizeCase:
             return {"error": None}
         except _PeerFailed:
             return {"error": None, "peer_failed": True}
-        except Exception as e:  # noqa: BLE001 - a failing case must not end the run
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - runner.py, Note [A case's own error]
             unsupported = isinstance(e, Unsupported) or (
                 isinstance(e, NotImplementedError) and self.stage == "wrap"
             )
-            self.ctx.flag(True)
+            self.ctx.flag(True, f"{self.stage}, after an error")
             return {
                 "error": f"{type(e).__name__}: {e}".strip(),
                 "stage": self.stage,
@@ -167,7 +174,7 @@ class _WorldSizeCase:
             }
 
     def _done(self) -> None:
-        if self.ctx.flag(False):
+        if self.ctx.flag(False, self.stage):
             raise _PeerFailed(self.stage)
 
     def _build(self):
@@ -279,29 +286,44 @@ def selected_cases(args: argparse.Namespace, world_size: int) -> list:
     return select(world_size_cases(_adapters(args, virtual), world_size, model), args.only)
 
 
-def rank_main(args: argparse.Namespace, device: torch.device) -> None:
-    """One rank of one world size's launch: run every case, rank 0 saves what each recorded."""
-    from conformance.runner import RunContext
+def rank_main(args: argparse.Namespace, device: torch.device, events=None) -> None:
+    """One rank of one world size's launch: run the cases of ``--case-range``; rank 0 saves what
+    each recorded in ``--world-size-run``'s directory as soon as it is done, and appends its
+    events (launcher.py) to ``events``."""
+    from conformance.cli import _case_range
+    from conformance.runner import RunContext, heartbeat
 
     worlds, virtual, parts, model = _settings(args)
     adapters = _adapters(args, virtual)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     cases = selected_cases(args, world_size)
+    first, last = _case_range(args.case_range, len(cases))
+    out = Path(args.world_size_run)
     ctx = RunContext(device, args.timeout)
+
+    def emit(event: dict[str, Any]) -> None:
+        if events is not None:
+            events.write(event)
+
+    emit({"event": "run", "cases": [c.name for c in cases], "meta": {"world_size": world_size}})
     if rank == 0:
-        print(
-            f"world size {world_size}: {len(cases)} cases, {args.steps} steps each, global batch "
-            f"of {parts} per-rank batches, V = {virtual}",
-            flush=True,
-        )
-    saved: dict[str, Any] = {}
-    for index, case in enumerate(cases):
+        torch.save({"world_size": world_size, "threads": torch.get_num_threads()}, out / "meta.pt")
+        if first == 0:
+            print(
+                f"world size {world_size}: {len(cases)} cases, {args.steps} steps each, global "
+                f"batch of {parts} per-rank batches, V = {virtual}",
+                flush=True,
+            )
+    for index in range(first, last):
+        case = cases[index]
+        emit({"event": "start", "index": index, "case": case.name, "time": time.time()})
         start = time.perf_counter()
         adapter = adapters.get(case.impl)
         reason = None if adapter is None else adapter.unsupported_reason(case)
         if reason is not None:
             entry: dict[str, Any] = {"status": "unsupported", "reason": reason}
         else:
+            heartbeat("busy", "started")
             scratch = ctx.scratch_dir(index)
             run = _WorldSizeCase(ctx, case, adapter, args.steps, scratch, parts)
             outcome = run.run()
@@ -323,18 +345,18 @@ def rank_main(args: argparse.Namespace, device: torch.device) -> None:
                     ctx.rebuild()
             else:
                 entry = {"status": "ran", "steps": run.record}
+            heartbeat("idle", "done")
         entry["seconds"] = round(time.perf_counter() - start, 2)
-        saved[case_key(case.name)] = entry
         if rank == 0:
+            torch.save({"key": case_key(case.name), "entry": entry}, out / f"case{index}.pt")
             line = f"[{index + 1:>{len(str(len(cases)))}}/{len(cases)}] {entry['status']:<11} "
             line += f"{case.name}  {entry['seconds']:.1f}s"
             if entry.get("reason"):
                 line += f"  ({entry['reason'].splitlines()[0][:160]})"
             print(line, flush=True)
+        emit({"event": "case", "index": index, "name": case.name, "status": entry["status"]})
     ctx.remove_scratch(ctx.scratch_root)
-    if rank == 0:
-        meta = {"world_size": world_size, "threads": torch.get_num_threads()}
-        torch.save({"meta": meta, "cases": saved}, args.world_size_run)
+    emit({"event": "end"})
 
 
 # ---- the launching process: compare ------------------------------------------------------------
@@ -413,6 +435,7 @@ def compare_runs(runs: dict[int, dict], invariant: Callable[[str], bool]) -> lis
             "world_sizes": {},
             "unsupported": {},
             "errors": {},
+            "crashes": {},  # world size -> how a rank died (launcher.py)
         }
         ran = [w for w in worlds if entries[w] and entries[w]["status"] == "ran"]
         for w in worlds:
@@ -421,8 +444,10 @@ def compare_runs(runs: dict[int, dict], invariant: Callable[[str], bool]) -> lis
                 continue
             if e["status"] == "unsupported":
                 row["unsupported"][str(w)] = e["reason"]
-            elif e["status"] == "error":
+            elif e["status"] in ("error", "crashed"):
                 row["errors"][str(w)] = e["reason"]
+            if e["status"] == "crashed":
+                row["crashes"][str(w)] = e["crash"]
         if ran:
             base = ran[0]
             row["base_world_size"] = base
@@ -440,7 +465,9 @@ def compare_runs(runs: dict[int, dict], invariant: Callable[[str], bool]) -> lis
                         worst["max_abs"] = max(worst["max_abs"], d)
                     per_stage[stage] = worst
                 row["world_sizes"][str(w)] = per_stage
-        if row["errors"]:
+        if row["crashes"]:
+            row["status"] = "crashed"
+        elif row["errors"]:
             row["status"] = "error"
         elif not ran:
             row["status"] = "unsupported"
@@ -503,17 +530,20 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-def exit_status(rows: list[dict]) -> int:
-    """1 when an invariant case differs at some world size, or any case raised; else 0."""
+def exit_status(rows: list[dict], outside: Sequence[dict] = ()) -> int:
+    """4 when a rank died (a case crashed, or outside any case); else 1 when an invariant case
+    differs at some world size, or a case raised; else 0 (report.py's exit statuses)."""
+    if outside or any(r["status"] == "crashed" for r in rows):
+        return 4
     return int(any(r["status"] in ("failed", "error") for r in rows))
 
 
-def run(
-    args: argparse.Namespace, argv: list[str], torchrun: Callable[[int, list[str]], bool]
-) -> int:
-    """The launching process: one launch per world size, then the comparison and the reports."""
+def run(args: argparse.Namespace, argv: list[str], launchers: Callable[[int], Any]) -> int:
+    """The launching process: the launches of each world size (fresh ranks after a dead one),
+    then the comparison and the reports. ``launchers(nproc)`` gives a launcher.Launcher."""
     from conformance import report
     from conformance.adapters import get_adapter
+    from conformance.launcher import run_surviving
 
     worlds, virtual, parts, model = _settings(args)
     # The thread count changes how a matmul sums: the same in every launch (torchrun sets 1 for
@@ -526,26 +556,46 @@ def run(
             invariant[adapter.name] = adapter.world_size_invariant
     start = time.perf_counter()
     runs: dict[int, dict] = {}
+    outside: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="conformance-ws-") as scratch:
+        events = Path(args.jsonl) if args.jsonl else Path(scratch) / "events.jsonl"
+        events.write_text("")  # this run's lines only; every world size appends
         for w in worlds:
-            out = os.path.join(scratch, f"ws{w}.pt")
+            out = Path(scratch) / f"ws{w}"
+            out.mkdir()
             print(f"conformance: world size {w} ({w} ranks)", flush=True)
-            if not torchrun(w, [*argv, "--world-size-run", out]) or not os.path.exists(out):
+            state = run_surviving(
+                launchers(w),
+                [*argv, "--world-size-run", str(out)],
+                events,
+                retry_crashed=args.retry_crashed,
+            )
+            outside += [{**death, "world_size": w} for death in state.outside]
+            if state.plan is None or not (out / "meta.pt").exists():
                 print(f"conformance: the launch at world size {w} failed", file=sys.stderr)
-                return 1
-            runs[w] = torch.load(out, weights_only=True)
+                continue
+            cases: dict[str, Any] = {}
+            for index in sorted(set(state.results) | set(state.crashed)):
+                if index in state.crashed:
+                    crash = state.crashed[index]
+                    key = case_key(state.starts[index]["case"])
+                    cases[key] = {"status": "crashed", "reason": crash["summary"], "crash": crash}
+                else:
+                    saved = torch.load(out / f"case{index}.pt", weights_only=True)
+                    cases[saved["key"]] = saved["entry"]
+            runs[w] = {"meta": torch.load(out / "meta.pt", weights_only=True), "cases": cases}
     elapsed = time.perf_counter() - start
     threads = {w: r["meta"]["threads"] for w, r in runs.items()}
     rows = compare_runs(runs, lambda impl: invariant.get(impl, False))
-    status = exit_status(rows)
+    status = exit_status(rows, outside)
     print(
         f"\nthe largest difference from the smallest world size that ran the case, over "
         f"{args.steps} steps and every tensor, in ulps (the last column absolute); 0 = bitwise. "
         f"Model {model}, global batch of {parts} per-rank batches, V = {virtual}."
     )
     print(format_table(rows))
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("passed", "failed", "measured",
-                                                                 "unsupported", "error")}  # fmt: skip
+    statuses = ("passed", "failed", "measured", "unsupported", "error", "crashed")
+    counts = {s: sum(r["status"] == s for r in rows) for s in statuses}
     print(
         f"\n{len(rows)} cases: "
         + ", ".join(f"{n} {s}" for s, n in counts.items())
@@ -556,7 +606,11 @@ def run(
         if row["status"] == "failed":
             print(f"FAILED {row['name']}: differs across world sizes (it claims the same bits)")
         for w, reason in row["errors"].items():
-            print(f"ERROR {row['name']} at world size {w}: {reason.splitlines()[0]}")
+            word = "CRASHED" if w in row["crashes"] else "ERROR"
+            print(f"{word} {row['name']} at world size {w}: {reason.splitlines()[0]}")
+    for death in outside:
+        print(f"a rank died at world size {death['world_size']} ({death.get('where')}): "
+              f"{death['summary']}")  # fmt: skip
     print(f"wall time {elapsed:.1f} s")
     doc = {
         "schema": SCHEMA,
@@ -573,6 +627,7 @@ def run(
             "seconds": round(elapsed, 2),
         },
         "exit_status": status,
+        "crashes_outside_cases": outside,
         "cases": rows,
     }
     if args.json:

@@ -68,7 +68,7 @@ def test_nan_against_a_number_is_an_infinite_error_in_strict_json():
     results = _results()
     assert results[0].stages["grads"]["ddp"].max_abs == math.inf
     doc = _strict_json(report.to_json(results, {"world_size": 2}))
-    assert doc["schema_version"] == report.SCHEMA_VERSION == 2
+    assert doc["schema_version"] == report.SCHEMA_VERSION == 3
     grads = doc["cases"][0]["stages"]["grads"]
     assert grads["max_abs"] == "Infinity" and grads["vs_single"]["max_rel"] == "Infinity"
     assert report.json_number(grads["max_abs"]) == math.inf

@@ -136,7 +136,8 @@ def save(model: nn.Module, optim: Optimizers, path: str | os.PathLike) -> None:
         CheckpointError: on every rank alike: ``path`` is a regular file, or holds a checkpoint
             fsdp_lite did not write; another job is saving there; a rank does not see the
             directory; or writing failed (the message names the path, the bytes free and the
-            file size limit). The previous checkpoint is then as it was.
+            file size limit, and begins with "no space left" when the disk is full). The previous
+            checkpoint is then as it was.
     """
     path = Path(path)
     group = _group(model)
@@ -144,11 +145,13 @@ def save(model: nn.Module, optim: Optimizers, path: str | os.PathLike) -> None:
     claimed: dict[str, Any] = {}  # rank 0: the lock's descriptor, the generation, the commit
 
     def claim() -> tuple[int, str]:
-        claimed["lock"], claimed["generation"], note = _claim(path)
+        claimed["lock"], claimed["generation"], note, claimed["previous"] = _claim(path)
         return claimed["generation"], note
 
     def commit() -> None:
-        manifest = Manifest(generation, _describe_metadata(path, generation), described)
+        metadata = _describe_metadata(path, generation)
+        dcp_metadata = _describe_dcp_metadata(path, metadata, claimed["previous"])
+        manifest = Manifest(generation, metadata, described, dcp_metadata)
         files.write_atomically(path / files.MANIFEST, manifest.dumps(), generation, "manifest")
         claimed["committed"] = True  # from here on the new generation is the checkpoint
         _after_commit(path, generation, manifest)
@@ -183,8 +186,9 @@ def save(model: nn.Module, optim: Optimizers, path: str | os.PathLike) -> None:
             files.unlock(claimed["lock"])
 
 
-def _claim(path: Path) -> tuple[int, int, str]:
-    """Rank 0: (the save lock's descriptor, the next generation, the note in the lock file)."""
+def _claim(path: Path) -> tuple[int, int, str, Manifest | None]:
+    """Rank 0: (the save lock's descriptor, the next generation, the note in the lock file, the
+    manifest there: None if there is none, empty if it is damaged)."""
     if path.exists() and not path.is_dir():
         raise CheckpointError(
             f"checkpoint path {path} is a file, not a directory; save writes a directory of "
@@ -219,7 +223,7 @@ def _claim(path: Path) -> tuple[int, int, str]:
     except BaseException:
         files.unlock(lock)
         raise
-    return lock, generation, note
+    return lock, generation, note, manifest
 
 
 def _read_note(path: Path) -> str:
@@ -253,6 +257,28 @@ def _describe_metadata(path: Path, generation: int) -> dict[str, Any]:
         "size": (path / name).stat().st_size,
         "crc32": files.crc32_of(path / name),
     }
+
+
+def _describe_dcp_metadata(
+    path: Path, metadata: dict[str, Any], previous: Manifest | None
+) -> dict[str, Any]:
+    """The manifest's entry for ``.metadata`` (Note [The manifest] in checkpoint_files.py): the
+    copy of this generation's ``metadata`` that _after_commit writes, and what ``.metadata``
+    holds now, which stays if this save stops before the copy, when the previous manifest
+    covered it."""
+    entry = {"name": files.DCP_METADATA, "size": metadata["size"], "crc32": metadata["crc32"]}
+    try:
+        held = files.size_and_crc32(path / files.DCP_METADATA)
+    except FileNotFoundError:  # a first save: nothing to leave behind
+        held = None
+    covered = (
+        previous is not None and bool(previous.metadata) and held in previous.dcp_metadata_states()
+    )
+    same = held == (metadata["size"], metadata["crc32"])
+    entry["previous"] = (
+        {"size": held[0], "crc32": held[1]} if held is not None and covered and not same else None
+    )
+    return entry
 
 
 def _after_commit(path: Path, generation: int, manifest: Manifest) -> None:
@@ -304,22 +330,37 @@ def _save_failed(
     e: BaseException, path: Path, state: dict, group: dist.ProcessGroup | None
 ) -> CheckpointError:
     """DCP's failure, with what a full disk or a file size limit would show: torch's own error
-    is then its zip writer's ("unexpected pos 704 vs 598"), naming neither."""
+    is then its zip writer's ("unexpected pos 704 vs 598"), naming neither.
+
+    A full disk leads the message ("no space left ..."), since torch's words come first
+    otherwise. It is known by ENOSPC or EDQUOT in the chain, or, because the zip writer's
+    RuntimeError carries no errno and DCP's gather of other ranks' errors drops their causes,
+    by fewer bytes free on ``path``'s filesystem than this rank writes, measured right after the
+    failure, before the partial generation is removed."""
     error = _from_dcp(e, f"saving checkpoint {path}", group)
     needed = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in _tensors(state))
     try:
-        free = f"{shutil.disk_usage(path).free} bytes"
+        free: int | None = shutil.disk_usage(path).free
     except OSError:
-        free = "an unknown number of bytes"
-    facts = f"; {path} has {free} free and this rank writes about {needed}"
+        free = None
+    errnos = {getattr(x, "errno", None) for x in _chain(e)}
+    full = bool(errnos & {errno.ENOSPC, errno.EDQUOT}) or (free is not None and free < needed)
+    free_text = "an unknown number of" if free is None else str(free)
+    if full:
+        head = (
+            f"no space left on the device of checkpoint {path}: this rank writes about {needed} "
+            f"bytes there and {free_text} bytes are free; "
+        )
+        facts = ""
+    else:
+        head = ""
+        facts = f"; {path} has {free_text} bytes free and this rank writes about {needed}"
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY:
         facts += f"; this process may write files of at most {limit} bytes (ulimit -f)"
-    if any(
-        getattr(x, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) for x in _chain(e)
-    ):
+    if errno.EFBIG in errnos:
         facts += "; the disk is full or a file is too large"
-    return CheckpointError(f"{error}{facts}; the previous checkpoint there is unchanged")
+    return CheckpointError(f"{head}{error}{facts}; the previous checkpoint there is unchanged")
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -413,9 +454,10 @@ def load(
     Raises:
         CheckpointError: on every rank alike, before any rank reads a tensor: the checkpoint is
             missing (on any rank), incomplete (no metadata, a missing or short data file), refers
-            to code (naming the file and the global), is damaged (its manifest's checksums), or
-            does not match the model (naming the keys). While reading: an item whose bytes do not
-            match the manifest, naming the file and the byte range.
+            to code (naming the file and the global), is damaged (its manifest's checksums,
+            torch's ``.metadata`` included), or does not match the model (naming the keys).
+            While reading: an item whose bytes do not match the manifest, naming the file and the
+            byte range.
     """
     path = Path(path)
     group = _group(model)
@@ -481,6 +523,7 @@ def _open(
                 "DCP writes last (the save did not finish, or the file was removed)"
             )
     else:
+        _check_dcp_metadata(path, manifest)
         metadata_file = path / manifest.metadata["name"]
         if not files.inside(path, manifest.metadata["name"]) or not metadata_file.exists():
             raise CheckpointError(
@@ -502,6 +545,22 @@ def _open(
     _check_files(path, metadata, manifest)
     _check_keys(path, state, metadata, strict)
     return metadata, manifest
+
+
+def _check_dcp_metadata(path: Path, manifest: Manifest) -> None:
+    """``.metadata``, which fsdp_lite does not read and torch's ``dcp.load`` unpickles, holds
+    what the save wrote or left there (Note [The manifest] in checkpoint_files.py)."""
+    try:
+        held = files.size_and_crc32(path / files.DCP_METADATA)
+    except FileNotFoundError:
+        return  # a first save stopped between its commit and the copy: nothing to unpickle
+    if held not in manifest.dcp_metadata_states():
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its {files.DCP_METADATA}, which torch's dcp.load "
+            f"unpickles (fsdp_lite reads {manifest.metadata['name']}), does not match the "
+            "checksum its manifest recorded: it changed after the save; replace it with a copy "
+            f"of {manifest.metadata['name']}, or save again"
+        )
 
 
 def _from_dcp(e: BaseException, doing: str, group: dist.ProcessGroup | None) -> CheckpointError:

@@ -30,9 +30,17 @@ manifest names the new one.
 Note [The manifest]: written last, it lists each data file's size and the crc32 of every item
 (tensor shard or value) DCP wrote into it, at its offset, and the metadata file's size and crc32;
 its own crc32 covers the rest. Every rank checks the metadata before unpickling it and each item
-it reads before using it, so a flipped byte is named by file and byte range. crc32 finds accidental
-damage, not a forger, who can rewrite the manifest too (what a crafted file may do is bounded by
-Note [What a checkpoint may run]).
+it reads before using it, so a flipped byte is named by file and byte range. It also covers
+``.metadata`` (``dcp_metadata``), which fsdp_lite never reads but torch's ``dcp.load`` unpickles:
+a ``.metadata`` changed after the save fails fsdp_lite's load too, rather than loading through
+fsdp_lite and running its pickle the first time torch reads the same directory. Two contents are
+the save's: the copy of this generation's metadata, and what ``.metadata`` held when the manifest
+was committed (``previous``), since the copy replaces it just after the commit (Note [Replacing a
+checkpoint safely]) and a save killed or failing in between leaves that one; ``previous`` is
+recorded only when the previous manifest covered it, so a ``.metadata`` changed before a save is
+not blessed by it. No ``.metadata`` at all is the state a first save killed in between leaves.
+crc32 finds accidental damage, not a forger, who can rewrite the manifest too (what a crafted file
+may do is bounded by Note [What a checkpoint may run]).
 """
 
 from __future__ import annotations
@@ -247,6 +255,9 @@ class Manifest:
     generation: int
     metadata: dict[str, Any]  # {"name": ..., "size": bytes, "crc32": ...}
     files: dict[str, dict[str, Any]]  # name -> {"size": bytes, "items": [[offset, length, crc32]]}
+    # {"name": ".metadata", "size", "crc32", "previous": {"size", "crc32"} or None}; None in a
+    # manifest from before it was recorded (Note [The manifest])
+    dcp_metadata: dict[str, Any] | None = None
 
     def item_crcs(self) -> dict[tuple[str, int, int], int]:
         """(file, offset, length) -> crc32 of every item."""
@@ -259,8 +270,25 @@ class Manifest:
     def names(self) -> set[str]:
         return {self.metadata["name"], *self.files}
 
+    def dcp_metadata_states(self) -> set[tuple[int, int]]:
+        """The (size, crc32) contents of ``.metadata`` that this save wrote or left: the copy
+        of its metadata, and what ``.metadata`` held at the commit (Note [The manifest])."""
+        entry = self.dcp_metadata
+        if entry is None:  # an older manifest: .metadata was the copy of its metadata
+            return {(self.metadata["size"], self.metadata["crc32"])}
+        states = {(entry["size"], entry["crc32"])}
+        if entry.get("previous") is not None:
+            states.add((entry["previous"]["size"], entry["previous"]["crc32"]))
+        return states
+
     def dumps(self) -> bytes:
-        body = {"generation": self.generation, "metadata": self.metadata, "files": self.files}
+        body: dict[str, Any] = {
+            "generation": self.generation,
+            "metadata": self.metadata,
+            "files": self.files,
+        }
+        if self.dcp_metadata is not None:
+            body["dcp_metadata"] = self.dcp_metadata
         text = json.dumps(body, sort_keys=True)
         return json.dumps(
             {"fsdp_lite_checkpoint": 1, "crc32": zlib.crc32(text.encode()), **body}, indent=1
@@ -273,6 +301,8 @@ def read_manifest(path: Path) -> Manifest | None:
     try:
         raw = json.loads(file.read_bytes())
         body = {k: raw[k] for k in ("generation", "metadata", "files")}
+        if "dcp_metadata" in raw:  # absent from manifests written before it was recorded
+            body["dcp_metadata"] = raw["dcp_metadata"]
         crc = zlib.crc32(json.dumps(body, sort_keys=True).encode())
     except FileNotFoundError:
         return None
@@ -287,8 +317,14 @@ def read_manifest(path: Path) -> Manifest | None:
 
 def crc32_of(file: Path) -> int:
     """crc32 of the whole of ``file``."""
+    return size_and_crc32(file)[1]
+
+
+def size_and_crc32(file: Path) -> tuple[int, int]:
+    """(size, crc32) of the whole of ``file``, from one open descriptor."""
     with open(file, "rb") as f:
-        return _crc32(f, os.fstat(f.fileno()).st_size)
+        size = os.fstat(f.fileno()).st_size
+        return size, _crc32(f, size)
 
 
 def _crc32(f: IO[bytes], length: int) -> int:
