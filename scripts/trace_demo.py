@@ -2,18 +2,23 @@
 
     python scripts/trace_demo.py --out DIR [--strategy FULL_SHARD] [--steps 3] [--cpu-offload] [--bf16]
     python scripts/trace_demo.py --docs docs/figures    # every figure of the docs/ pages
+    python scripts/trace_demo.py --out DIR --steps 2 --chrome DIR/trace.json [--torch-profile]
 
 Writes DIR/timeline.png (each unit's compute and collectives per rank, last step), DIR/memory.png
 (bytes by category per rank over the last step), DIR/explain.txt (every rank's sharding plan),
 DIR/summary.txt (collectives, memory and the planner's numbers) and DIR/trace_rank{R}.json (the raw
 trace). Without matplotlib it writes the text and JSON, says the PNGs need ``pip install -e .[plot]``
 and exits 0; with ``--png`` (and always with ``--docs``) a missing matplotlib is an error before
-any rank starts. Ranks launch themselves as ``python -m fsdp_lite.demo`` does, or run under torchrun.
+any rank starts. ``--chrome FILE`` also writes every rank's trace as one Trace Event Format file
+(Perfetto, chrome://tracing; ``fsdp_lite.trace.write_chrome_trace``), with torch.profiler's CPU ops
+of the same steps beside it under ``--torch-profile``. Ranks launch themselves as
+``python -m fsdp_lite.demo`` does, or run under torchrun.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -42,7 +47,14 @@ from fsdp_lite.demo import PROCESS_GROUP_TIMEOUT, human_bytes, say
 from fsdp_lite.engine.collectives import all_gather_objects
 from fsdp_lite.estimate import estimate
 from fsdp_lite.tools.launch import launch_module, leave_together
-from fsdp_lite.trace import CollectiveTrace, explain, plot_memory, plot_timeline, record_collectives
+from fsdp_lite.trace import (
+    CollectiveTrace,
+    explain,
+    plot_memory,
+    plot_timeline,
+    record_collectives,
+    write_chrome_trace,
+)
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +81,8 @@ class Job:
     bf16: bool = False  # MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)
     nproc: int = 2
     state_dict_figure: bool = False  # also trace a FULL and a SHARDED model.state_dict()
+    chrome: str | None = None  # also write the steps as a Chrome trace, to this file
+    torch_profile: bool = False  # with torch.profiler's CPU ops in it
 
     @property
     def title(self) -> str:
@@ -106,12 +120,24 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--nproc", type=int, help="ranks (default 2; HYBRID_SHARD: 4, as 2 replicas x nproc/2)"
     )
     parser.add_argument("--png", action="store_true", help="fail if matplotlib is missing")
+    parser.add_argument(
+        "--chrome", type=Path, help="also write a Chrome trace JSON file (with --out only)"
+    )
+    parser.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="merge torch.profiler's CPU ops of the traced steps into the --chrome file",
+    )
     # What the launcher hands its ranks: the runs, and whether the launcher found matplotlib.
     parser.add_argument("--jobs-json", help=argparse.SUPPRESS)
     parser.add_argument("--skip-png", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.chrome and args.docs:
+        parser.error("--chrome goes with --out (one run), not --docs")
+    if args.torch_profile and not args.chrome:
+        parser.error("--torch-profile needs --chrome")
     nproc = args.nproc or (4 if args.strategy == "HYBRID_SHARD" else 2)
     if nproc < 1:
         parser.error("--nproc must be at least 1")
@@ -127,12 +153,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     out = (args.docs or args.out).resolve()
+    chrome = args.chrome.resolve() if args.chrome else None
     if args.jobs_json:
         jobs = [Job(**j) for j in json.loads(args.jobs_json)]
     elif args.docs:
         jobs = list(DOCS_JOBS)
     else:
-        jobs = [Job("", args.strategy, args.cpu_offload, args.bf16, args.nproc)]
+        chrome_file = str(chrome) if chrome else None
+        jobs = [
+            Job(
+                "",
+                args.strategy,
+                args.cpu_offload,
+                args.bf16,
+                args.nproc,
+                chrome=chrome_file,
+                torch_profile=args.torch_profile,
+            )
+        ]
     has_matplotlib = _has_matplotlib()
     if "RANK" in os.environ:  # one rank, under torchrun or our own launch below
         run_rank(jobs, out, args.steps, png=has_matplotlib and not args.skip_png)
@@ -141,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("trace_demo: the PNGs need matplotlib: pip install -e '.[plot]'", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    if chrome:
+        chrome.parent.mkdir(parents=True, exist_ok=True)
     # The ranks run `python -m scripts.trace_demo`: from the repo root, so `scripts` imports.
     os.chdir(REPO_ROOT)
     for nproc in sorted({j.nproc for j in jobs}):
@@ -161,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
     if not has_matplotlib:
         print("trace_demo: no matplotlib, so no PNGs; install them with pip install -e '.[plot]'")
-    print(f"trace_demo: wrote {out}")
+    print(f"trace_demo: wrote {out}" + (f" and {chrome}" if chrome else ""))
     return 0
 
 
@@ -210,12 +250,19 @@ def wrap(job: Job) -> FullyShardedDataParallel:
     )
 
 
-def run_job(job: Job, out: Path, steps: int, png: bool) -> None:
+def train_traced(
+    job: Job, steps: int, profile: Path | None = None
+) -> tuple[FullyShardedDataParallel, CollectiveTrace]:
+    """Train ``steps`` AdamW steps of the demo model under ``job``'s strategy, traced; with
+    ``profile``, under torch.profiler too, whose Chrome trace goes to that file."""
     rank = dist.get_rank()
     model = wrap(job)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    profiler = contextlib.nullcontext()
+    if profile is not None:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     dist.barrier()  # start the traces together: each rank's clock starts at its own trace
-    with record_collectives(model, optim) as trace:
+    with profiler as prof, record_collectives(model, optim) as trace:
         for step in range(steps):
             started = time.perf_counter()
             optim.zero_grad(set_to_none=True)  # here, so the grads show until the step's end
@@ -232,6 +279,22 @@ def run_job(job: Job, out: Path, steps: int, png: bool) -> None:
                     f"  {job.title}: step {step + 1}/{steps} loss {loss.item():.4f} ({ms:.0f} ms)",
                     flush=True,
                 )
+    if profile is not None:
+        prof.export_chrome_trace(str(profile))
+    return model, trace
+
+
+def run_job(job: Job, out: Path, steps: int, png: bool) -> None:
+    rank = dist.get_rank()
+    chrome = Path(job.chrome) if job.chrome else None
+    profile = None
+    if chrome and job.torch_profile:  # kept beside the merged file: torch's own view of the rank
+        profile = chrome.with_name(f"{chrome.stem}_torch_rank{rank}.json")
+    model, trace = train_traced(job, steps, profile)
+    if chrome:
+        write_chrome_trace(trace, chrome, profile=profile)
+        if rank == 0:
+            say(f"  wrote {chrome}")
     if job.state_dict_figure:
         trace_state_dicts(model, out, png)
     data = trace.to_json()

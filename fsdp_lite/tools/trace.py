@@ -4,18 +4,23 @@
 model for the duration of a ``with`` block. Units append a ``CollectiveRecord`` when they start a
 collective and stamp its end when their wait returns; the runtime opens and closes a ``ComputeSpan``
 around each unit's forward and backward; at each of these events the trace samples every unit's
-bytes by category (``MemorySample``). ``explain(model)`` returns the sharding plan as text, and
-``plot_timeline`` / ``plot_memory`` draw traces with matplotlib (the ``plot`` extra).
+bytes by category (``MemorySample``). ``explain(model)`` returns the sharding plan as text,
+``plot_timeline`` / ``plot_memory`` draw traces with matplotlib (the ``plot`` extra), and
+``write_chrome_trace`` writes every rank's trace into one Trace Event Format JSON file (what
+Perfetto and chrome://tracing open), optionally beside torch.profiler's events of the same steps.
 """
 
 # Note [Trace times and memory]
 #
-# Times are time.perf_counter() seconds since this rank's trace began; ranks' clocks are not aligned.
+# Times are time.perf_counter() seconds since this rank's trace began; ranks' clocks are not aligned
+# (write_chrome_trace aligns them when it writes, Note [Chrome trace clocks]).
 # A collective's `start` is when the unit issued it, its `end` when this rank's wait on it returned
 # (`wait_for_unshard` for all-gathers, `advance_reduce` for reductions; right after the call for the
-# synchronous ones). On CPU/gloo that is when the waiting rank observed completion: an all-gather
-# prefetched early may have finished long before its `end`, and a wait that returns at once still
-# shows the time until somebody asked. Compute spans are inclusive: the root's forward contains its
+# synchronous ones), and its `wait_start` when this rank began that wait, where the unit waits
+# through `Collective.waiter` (a unit's collectives, not an optimizer's exchanges). On CPU/gloo
+# `end` is when the waiting rank observed completion: an all-gather prefetched early may have
+# finished long before its `end`, and a wait that returns at once still shows the time until
+# somebody asked. Compute spans are inclusive: the root's forward contains its
 # children's.
 #
 # Memory is storage accounting, not an allocator reading: at each event, for each unit, the bytes of
@@ -29,6 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,6 +48,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_lite.api import STRATEGY_RULES, Rules
+from fsdp_lite.engine.collectives import _object_device, all_gather_objects, wait_each
 from fsdp_lite.engine.observe import Collective, Observer
 from fsdp_lite.engine.runtime import lazy_init
 from fsdp_lite.engine.unit import unit_owners
@@ -50,10 +59,12 @@ __all__ = [
     "CollectiveTrace",
     "ComputeSpan",
     "MemorySample",
+    "chrome_trace",
     "explain",
     "plot_memory",
     "plot_timeline",
     "record_collectives",
+    "write_chrome_trace",
 ]
 
 # Storage categories per unit, in the order a shared storage is claimed (Note [Trace times and memory]).
@@ -79,6 +90,8 @@ class CollectiveRecord:
     step: int = 0
     start: float = 0.0  # seconds since the trace began, when the unit issued it
     end: float | None = None  # when this rank's wait returned; None until then
+    group: list[int] | None = None  # the global ranks of its process group
+    wait_start: float | None = None  # when this rank began waiting; None: not seen (Note above)
 
     @property
     def nbytes(self) -> int:
@@ -138,6 +151,7 @@ class CollectiveTrace(Observer):
     # The record of each collective issued and not yet waited on, by its Collective: several of
     # one unit and kind may be in flight (an optimizer's bucketed exchanges).
     _open: dict = field(default_factory=dict, repr=False)
+    _groups: dict = field(default_factory=dict, repr=False)  # ProcessGroup -> its global ranks
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -150,11 +164,31 @@ class CollectiveTrace(Observer):
         if op.step >= 0:
             self._at_step(op.step)
         record = CollectiveRecord(
-            op.kind, op.unit, op.phase, op.dtype, op.numel, self.step, start=self.now()
+            op.kind,
+            op.unit,
+            op.phase,
+            op.dtype,
+            op.numel,
+            self.step,
+            start=self.now(),
+            group=self._ranks_of(op.group),
         )
         self.records.append(record)
         self._open[op] = record
+        # Wrap the wait (an earlier observer's, or the plain one) to stamp when it begins.
+        op.waiter = functools.partial(self._timed_wait, record, op.waiter or wait_each)
         self.sample(f"{op.kind} start {op.unit or '<root>'}")
+
+    def _timed_wait(self, record: CollectiveRecord, wait, works) -> None:
+        record.wait_start = self.now()
+        wait(works)
+
+    def _ranks_of(self, group) -> list[int] | None:
+        if not dist.is_initialized():
+            return None
+        if group not in self._groups:
+            self._groups[group] = dist.get_process_group_ranks(group)
+        return self._groups[group]
 
     def waited(self, op: Collective) -> None:
         """This rank's wait on ``op`` returned (else on the unit's latest open collective of
@@ -557,3 +591,286 @@ def plot_memory(
     if title:
         fig.suptitle(title, fontsize=10)
     fig.savefig(path)
+
+
+# ---- Chrome trace (Trace Event Format: Perfetto, chrome://tracing) -----------------------------
+
+# Note [Chrome trace clocks]
+#
+# Each rank's times count from the start of its own trace (Note [Trace times and memory]).
+# write_chrome_trace puts them on the first rank's clock, as NTP does: the first rank sends each
+# other rank a message and reads its clock at the send (t1) and when the reply comes (t4); the
+# other rank replies with its own clock's reading (p), taken between the two. So p less the
+# midpoint (t1 + t4) / 2 is that rank's offset, wrong by at most half the round trip t4 - t1;
+# of CLOCK_ROUNDS round trips the shortest is kept, and its half is the bound written beside the
+# offsets (otherData.clock_error_bound_us). No shared clock is assumed, so it holds across hosts;
+# the clocks are taken to run at one rate over the trace (perf_counter on one host does).
+#
+# torch.profiler's exported `ts` is microseconds since the file's `baseTimeNanoseconds` on the
+# wall clock (time.time_ns(); a file without the field is read as counting from the epoch). Each rank
+# reads its wall clock and perf_counter together to map them onto its trace clock, so a wall clock
+# stepped between the profile and the write shifts that rank's torch events by the step.
+
+CLOCK_ROUNDS = 8  # round trips per rank; a busy host delays some, the shortest is kept
+
+
+def write_chrome_trace(
+    trace: CollectiveTrace,
+    path: str | Path,
+    *,
+    profile: str | Path | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> dict | None:
+    """Write every rank's trace into one Trace Event Format JSON file (``chrome_trace``).
+
+    Collective: every rank of ``group`` calls it after its ``record_collectives`` block. The ranks
+    align their clocks (Note [Chrome trace clocks]) and send each other their traces; the group's
+    first rank writes the file, the clocks' offsets and error bounds in its ``otherData``.
+
+    Args:
+        trace: this rank's trace.
+        path: the file the first rank writes; the other ranks ignore it.
+        profile: this rank's torch.profiler trace, as ``prof.export_chrome_trace(...)`` wrote it,
+            to merge: its events sit in this rank's process beside fsdp_lite's. Default None.
+        group: the ranks that take part. Default: the world.
+
+    Returns:
+        The document on the first rank, None on the others.
+    """
+    offsets, bounds = _clock_offsets(trace, group)
+    events = None if profile is None else _profile_events(profile, trace)
+    everyone = all_gather_objects((trace.to_json(), events), group)
+    if dist.get_rank(group) != 0:
+        return None
+    doc = chrome_trace(
+        [CollectiveTrace.from_json(data) for data, _ in everyone],
+        offsets,
+        None if profile is None else [e for _, e in everyone],
+    )
+    doc["otherData"]["clock_error_bound_us"] = [round(b * 1e6, 3) for b in bounds]
+    Path(path).write_text(json.dumps(doc))
+    return doc
+
+
+def _clock_offsets(
+    trace: CollectiveTrace, group: dist.ProcessGroup | None
+) -> tuple[list[float], list[float]]:
+    """On the group's first rank: how far each rank's trace clock reads ahead of its own, and the
+    bound on each one's error, in seconds (Note [Chrome trace clocks]); empty on the others."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    clock = torch.zeros(1, dtype=torch.float64, device=_object_device(group))
+    offsets, bounds = [0.0], [0.0]
+    for peer in range(1, world_size):
+        if rank == 0:
+            best = (float("inf"), 0.0)  # (round trip, offset)
+            for _ in range(CLOCK_ROUNDS):
+                t1 = trace.now()
+                dist.send(clock, group=group, group_dst=peer)
+                dist.recv(clock, group=group, group_src=peer)
+                t4 = trace.now()
+                best = min(best, (t4 - t1, clock.item() - (t1 + t4) / 2))
+            offsets.append(best[1])
+            bounds.append(best[0] / 2)
+        elif rank == peer:
+            for _ in range(CLOCK_ROUNDS):
+                dist.recv(clock, group=group, group_src=0)
+                clock.fill_(trace.now())
+                dist.send(clock, group=group, group_dst=0)
+    return (offsets, bounds) if rank == 0 else ([], [])
+
+
+def chrome_trace(
+    traces: Sequence[CollectiveTrace],
+    offsets: Sequence[float] | None = None,
+    profiles: Sequence[list[dict]] | None = None,
+) -> dict:
+    """The Trace Event Format document of ``traces`` (one per rank), as Perfetto reads it.
+
+    One process per rank (pid = rank, named ``rank N``), with threads: ``compute`` (each unit's
+    forward and backward, user spans), ``collectives`` (each one from issue to the end of this
+    rank's wait; args kind, unit, phase, step, dtype, numel, bytes, group and tag, the same tag
+    on every rank for the same collective), ``waits`` (from this rank's wait's begin to its end)
+    and a ``memory`` counter (bytes by category, summed over units). Spans that overlap without
+    nesting go to a second thread of the same name. ``ts`` is microseconds from the first event.
+
+    Args:
+        traces: one trace per rank.
+        offsets: seconds each trace's clock reads ahead of the first's at one moment (Note
+            [Chrome trace clocks]). Default: all 0.
+        profiles: for each trace, events from its rank's torch.profiler trace with ``ts`` in
+            microseconds on that trace's clock (``_profile_events``), appended as they are.
+            Default: none.
+    """
+    offsets = list(offsets) if offsets is not None else [0.0] * len(traces)
+    timed: list[dict] = []  # "ts" (and "end") in integer ns on the common clock, origin unset
+    meta: list[dict] = []
+    for trace, offset in zip(traces, offsets):
+        events, threads = _rank_events(trace, offset)
+        timed += events
+        meta += _metadata(trace.rank, threads)
+    for profile, offset in zip(profiles or (), offsets):
+        for e in profile:
+            e = dict(e)
+            if isinstance(e.get("ts"), (int, float)):
+                e["ts"] = round(e["ts"] * 1e3 - offset * 1e9)
+            timed.append(e)
+    origin = min((e["ts"] for e in timed if isinstance(e.get("ts"), int)), default=0)
+    for e in timed:
+        if isinstance(e.get("ts"), int):
+            e["ts"] = (e["ts"] - origin) / 1e3
+        if "end" in e:
+            e["dur"] = (e.pop("end") - origin) / 1e3 - e["ts"]
+    return {
+        "traceEvents": meta + timed,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "generator": "fsdp_lite.tools.trace.chrome_trace",
+            "clock_offsets_us": [round(o * 1e6, 3) for o in offsets],
+            "memory": "storage accounting by category, bytes (fsdp_lite/tools/trace.py)",
+        },
+    }
+
+
+def _rank_events(trace: CollectiveTrace, offset: float) -> tuple[list[dict], list[str]]:
+    """One rank's events (times in ns on the common clock) and its threads' names, by tid - 1."""
+    pid = trace.rank
+
+    def ns(t: float) -> int:
+        return round((t - offset) * 1e9)
+
+    threads: list[str] = []
+    events: list[dict] = []
+
+    def track(name: str, spans: list[tuple[int, int, dict]], unfinished: list[tuple[int, dict]]):
+        """``spans`` as "X" events on as few threads named ``name`` as keep each one nested."""
+        lanes = _lanes([(start, end) for start, end, _ in spans])
+        tid = len(threads) + 1
+        threads.extend(f"{name} {i + 1}" if i else name for i in range(max(lanes, default=0) + 1))
+        for (start, end, event), lane in zip(spans, lanes):
+            events.append(
+                {**event, "ph": "X", "pid": pid, "tid": tid + lane, "ts": start, "end": end}
+            )
+        for start, event in unfinished:
+            events.append({**event, "ph": "i", "s": "t", "pid": pid, "tid": tid, "ts": start})
+
+    spans, unfinished = [], []
+    for s in trace.spans:
+        is_unit = s.phase in ("forward", "backward")
+        event = {
+            "name": f"{s.unit or '<root>'} {s.phase}" if is_unit else s.unit,
+            "cat": "compute" if is_unit else "user",
+            "args": {"unit": s.unit, "phase": s.phase, "step": s.step},
+        }
+        if s.end is None:
+            unfinished.append((ns(s.start), {**event, "name": event["name"] + " (never ended)"}))
+        else:
+            spans.append((ns(s.start), ns(s.end), event))
+    track("compute", spans, unfinished)
+
+    issued: dict[tuple, int] = {}  # per group, collectives issued so far: the tag's number
+    collectives, waits, unfinished = [], [], []
+    for r in trace.records:
+        group = tuple(r.group) if r.group is not None else ()
+        seq = issued.get(group, 0)
+        issued[group] = seq + 1
+        args = {
+            "kind": r.kind,
+            "unit": r.unit,
+            "phase": r.phase,
+            "step": r.step,
+            "dtype": _dtype_name(r.dtype),
+            "numel": r.numel,
+            "bytes": r.nbytes,
+            "group": list(group),
+            "tag": f"{r.kind} #{seq} on ranks {','.join(map(str, group)) or '?'}",
+        }
+        name = f"{r.kind} {r.unit or '<root>'}"
+        event = {"name": name, "cat": "collective", "args": args}
+        if r.end is None:
+            unfinished.append((ns(r.start), {**event, "name": name + " (never waited)"}))
+            continue
+        collectives.append((ns(r.start), ns(r.end), event))
+        if r.wait_start is not None:
+            waits.append(
+                (ns(r.wait_start), ns(r.end), {**event, "name": f"wait {name}", "cat": "wait"})
+            )
+    track("collectives", collectives, unfinished)
+    track("waits", waits, [])
+
+    for m in trace.memory:
+        events.append(
+            {
+                "name": "memory",
+                "ph": "C",
+                "pid": pid,
+                "tid": 0,
+                "ts": ns(m.time),
+                "args": {cat: m.total(cat) for cat in MEMORY_CATEGORIES},
+            }
+        )
+    return events, threads
+
+
+def _lanes(spans: list[tuple[int, int]]) -> list[int]:
+    """For each (start, end), the first lane where it nests in or follows what is there; a viewer
+    draws the "X" events of one thread as a stack, so they must nest."""
+    order = sorted(range(len(spans)), key=lambda i: (spans[i][0], -spans[i][1]))
+    open_ends: list[list[int]] = []  # per lane, the ends of its spans that contain the current one
+    lanes = [0] * len(spans)
+    for i in order:
+        start, end = spans[i]
+        lane = 0
+        while lane < len(open_ends):
+            ends = open_ends[lane]
+            while ends and ends[-1] <= start:  # spans of this lane that ended by now
+                ends.pop()
+            if not ends or end <= ends[-1]:
+                break
+            lane += 1
+        else:
+            open_ends.append([])
+        open_ends[lane].append(end)
+        lanes[i] = lane
+    return lanes
+
+
+def _metadata(rank: int, threads: list[str]) -> list[dict]:
+    """The "M" events that name a rank's process and threads and keep them in order."""
+    events = [
+        {"name": "process_name", "args": {"name": f"rank {rank}"}},
+        {"name": "process_sort_index", "args": {"sort_index": rank}},
+    ]
+    for tid, name in enumerate(threads, 1):
+        events.append({"name": "thread_name", "tid": tid, "args": {"name": name}})
+        events.append({"name": "thread_sort_index", "tid": tid, "args": {"sort_index": tid}})
+    return [{"ph": "M", "pid": rank, "tid": 0, "ts": 0, **e} for e in events]
+
+
+def _profile_events(path: str | Path, trace: CollectiveTrace) -> list[dict]:
+    """This process's torch.profiler trace at ``path``: its events with ``ts`` in microseconds on
+    ``trace``'s clock (Note [Chrome trace clocks]), this process as pid ``trace.rank`` and any
+    other numbered one (a device's) as a process of its own, named after the rank."""
+    data = json.loads(Path(path).read_text())
+    wall_ns, perf_ns = time.time_ns(), time.perf_counter_ns()
+    base_ns = int(data.get("baseTimeNanoseconds", 0))
+    shift_us = (base_ns - (wall_ns - perf_ns) - round(trace.t0 * 1e9)) / 1e3
+    host = os.getpid()
+    pids: dict = {}  # a device's pid in the profile -> its pid here, past every rank's
+    events = []
+    for e in data.get("traceEvents", []):
+        if not isinstance(e.get("pid"), int):
+            continue  # kineto's own marks of the profiling window ("Spans", "Traces"), not work
+        is_process_meta = e.get("ph") == "M" and str(e.get("name", "")).startswith("process_")
+        if e.get("pid") == host and is_process_meta:
+            continue  # the rank's own "M" events name this process
+        e = dict(e)
+        if e.get("pid") == host:
+            e["pid"] = trace.rank
+        else:
+            e["pid"] = pids.setdefault(e["pid"], trace.world_size * (len(pids) + 1) + trace.rank)
+            if is_process_meta and e.get("name") == "process_name":
+                e["args"] = {"name": f"rank {trace.rank}: {e.get('args', {}).get('name', '')}"}
+        if isinstance(e.get("ts"), (int, float)):
+            e["ts"] = e["ts"] + shift_us
+        events.append(e)
+    return events
