@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run one of torch's FSDP2 test files one test at a time: natively, then, where the native run
 # passed, switched to fsdp_lite (scripts/switch_torch_fsdp2_tests.py).
-#   scripts/run_torch_fsdp2_tests.sh [--lift-gpu-gates] [--backend-collectives] DIR FILE [TIMEOUT_S] [PYTEST_K]
+#   scripts/run_torch_fsdp2_tests.sh [--lift-gpu-gates] [--backend-collectives] [--fsdp1] [--ranks N]
+#       DIR FILE [TIMEOUT_S] [PYTEST_K]
 # DIR/native/FILE is torch's test file, put there by hand (never into this repo); the switched copy
 # goes to DIR/switched/FILE. Both runs put scripts/torch_fsdp2_tests_compat on PYTHONPATH (the same
 # harness for both) and this checkout before any installed fsdp_lite. Logs: DIR/logs/MODE/FILE/TEST.log;
@@ -11,12 +12,19 @@
 # (torch_fsdp2_tests_compat/lift_gpu_gates/); give such runs a DIR of their own.
 # --backend-collectives: fsdp_lite uses gloo's all-gather and reduce-scatter, not sends, so that
 # torch's CommDebugMode counts them (torch_fsdp2_tests_compat/backend_collectives/).
+# --fsdp1: one of torch's FSDP1 test files (test/distributed/fsdp/), switched by
+# scripts/switch_torch_fsdp1_tests.py (scripts/run_torch_fsdp1_tests.sh passes it); torch's own
+# FSDP1 gets device_id=cpu where it is given none (torch_fsdp2_tests_compat/sitecustomize.py).
+# --ranks N: torch's FSDPTest runs N ranks where it reads its device count (common_fsdp's
+# DEVICE_COUNT, 1 on a CPU-only machine), both runs alike (torch_fsdp2_tests_compat/sitecustomize.py).
 set -u
-LIFT=""; BACKEND=""
+LIFT=""; BACKEND=""; SWITCH=switch_torch_fsdp2_tests.py
 while true; do
   case "${1:-}" in
     --lift-gpu-gates) LIFT=1; shift ;;
     --backend-collectives) BACKEND=1; shift ;;
+    --fsdp1) SWITCH=switch_torch_fsdp1_tests.py; export FSDP_LITE_TORCH_TESTS_FSDP1=1; shift ;;
+    --ranks) export FSDP_LITE_TORCH_TESTS_RANKS=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -31,7 +39,7 @@ if [ -n "$BACKEND" ]; then
   PYTHONPATH="$REPO/scripts/torch_fsdp2_tests_compat/backend_collectives:$PYTHONPATH"
 fi
 mkdir -p "$DIR/switched" "$DIR/logs/native/$FILE" "$DIR/logs/switched/$FILE"
-"$PY" "$REPO/scripts/switch_torch_fsdp2_tests.py" "$DIR/native/$FILE" -o "$DIR/switched/$FILE"
+"$PY" "$REPO/scripts/$SWITCH" "$DIR/native/$FILE" -o "$DIR/switched/$FILE"
 TSV="$DIR/logs/$FILE.tsv"; touch "$TSV"
 
 run_one() {  # MODE TEST -> outcome on stdout

@@ -65,6 +65,9 @@ _common_fsdp_switch.fully_shard = _fsdp_lite_switch.fully_shard
 _torch_fsdp_switch.fully_shard = _fsdp_lite_switch.fully_shard
 # --- end of switch
 """
+BINDING_LOG = (
+    "common_fsdp.fully_shard and torch.distributed.fsdp.fully_shard bound to fsdp_lite.fully_shard"
+)
 
 
 def _format_import(module: str, names: list[ast.alias], indent: str) -> str:
@@ -72,8 +75,20 @@ def _format_import(module: str, names: list[ast.alias], indent: str) -> str:
     return f"{indent}from {module} import {', '.join(parts)}\n"
 
 
-def switch(source: str) -> tuple[str, list[str]]:
-    """Return the switched source and a line per change."""
+def switch(
+    source: str,
+    names: dict[str, set[str]] | None = None,
+    bindings: str = RUNTIME_BINDINGS,
+    binding_log: str = BINDING_LOG,
+) -> tuple[str, list[str]]:
+    """Return the switched source and a line per change.
+
+    ``names`` maps each torch module whose imports are switched to {name: fsdp_lite module}
+    (default: the FSDP2 names of SWITCHED_MODULES, from ``fsdp_lite``); ``bindings`` is the text
+    put after the last top-level import (scripts/switch_torch_fsdp1_tests.py passes its own).
+    """
+    if names is None:
+        names = {module: dict.fromkeys(FSDP_LITE_NAMES, "fsdp_lite") for module in SWITCHED_MODULES}
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     edits: list[tuple[int, int, str]] = []  # (first line, last line, replacement), 1-based
@@ -82,32 +97,33 @@ def switch(source: str) -> tuple[str, list[str]]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and node in tree.body:
             last_top_import = max(last_top_import, node.end_lineno)
-        if not isinstance(node, ast.ImportFrom) or node.module not in SWITCHED_MODULES:
+        if not isinstance(node, ast.ImportFrom) or node.module not in names:
             continue
-        ours = [a for a in node.names if a.name in FSDP_LITE_NAMES]
+        targets = names[node.module]
+        ours = [a for a in node.names if a.name in targets]
         if not ours:
             continue
-        theirs = [a for a in node.names if a.name not in FSDP_LITE_NAMES]
+        theirs = [a for a in node.names if a.name not in targets]
         first = lines[node.lineno - 1]
         indent = first[: len(first) - len(first.lstrip())]
-        text = _format_import("fsdp_lite", ours, indent)
+        text = ""
+        for target in dict.fromkeys(targets[a.name] for a in ours):
+            text += _format_import(target, [a for a in ours if targets[a.name] == target], indent)
         if theirs:
             text += _format_import(node.module, theirs, indent)
         edits.append((node.lineno, node.end_lineno, text))
         log.append(
-            f"line {node.lineno}: {', '.join(a.name for a in ours)} from fsdp_lite"
+            f"line {node.lineno}: "
+            + "; ".join(f"{a.name} from {targets[a.name]}" for a in ours)
             + (f"; kept from {node.module}: {', '.join(a.name for a in theirs)}" if theirs else "")
         )
     if not edits:
-        raise SystemExit("no FSDP2 import to switch in this file")
+        raise SystemExit("no import to switch in this file")
     # The bindings go after the last top-level import (the file's own code follows).
-    edits.append((last_top_import + 1, last_top_import, RUNTIME_BINDINGS))
+    edits.append((last_top_import + 1, last_top_import, bindings))
     for first, last, text in sorted(edits, key=lambda e: e[0], reverse=True):
         lines[first - 1 : last] = [text]
-    log.append(
-        f"after line {last_top_import}: common_fsdp.fully_shard and "
-        "torch.distributed.fsdp.fully_shard bound to fsdp_lite.fully_shard"
-    )
+    log.append(f"after line {last_top_import}: {binding_log}")
     return "".join(lines), log
 
 
@@ -117,14 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, help="where to write (default: stdout)")
     args = parser.parse_args(argv)
     switched, log = switch(args.test_file.read_text())
-    if args.output is None:
-        sys.stdout.write(switched)
-    else:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(switched)
-    for line in log:
-        print(f"{args.test_file.name}: {line}", file=sys.stderr)
+    write(args.test_file, args.output, switched, log)
     return 0
+
+
+def write(test_file: Path, output: Path | None, text: str, log: list[str]) -> None:
+    """Write ``text`` to ``output`` (stdout when None) and the log lines to stderr."""
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text)
+    for line in log:
+        print(f"{test_file.name}: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,17 @@ does), so that both see the same harness:
   test body sees the real one). Only where no accelerator is present.
 * ``HardwareClassification`` (``common_utils``, newer than 2.13) is given as a stand-in enum, for
   test files that only set it as a class attribute.
+* ``FSDP_LITE_TORCH_TESTS_FSDP1=1`` (``run_torch_fsdp2_tests.sh --fsdp1``), only where no
+  accelerator is present: torch's ``FullyShardedDataParallel`` given no ``device_id`` gets
+  ``device_id=torch.device("cpu")`` (torch 2.13's FSDP1 otherwise raises "FSDP needs a non-CPU
+  accelerator device"). fsdp_lite's class is not touched; the switched run reaches torch's only
+  where a test still builds torch's (a wrap policy's ``wrapper_cls`` it names, say).
+* ``FSDP_LITE_TORCH_TESTS_RANKS=N`` (``run_torch_fsdp2_tests.sh --ranks N``): ``common_fsdp``'s
+  ``DEVICE_COUNT``, the world size of torch's ``FSDPTest`` (1 on a CPU-only machine), reads N.
 """
 
 import enum
+import os
 
 import torch
 import torch.distributed as dist
@@ -56,6 +64,27 @@ if torch.accelerator.device_count() == 0:
     _common_fsdp.FSDPTestContinuous._init_pg = _enough_devices_until_init(
         _common_fsdp.FSDPTestContinuous._init_pg.__func__
     )
+
+if os.environ.get("FSDP_LITE_TORCH_TESTS_FSDP1") and torch.accelerator.device_count() == 0:
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
+
+    _torch_fsdp_init = _TorchFSDP.__init__
+    _DEVICE_ID_POSITION = 9  # after module, process_group, ..., param_init_fn
+
+    @functools.wraps(_torch_fsdp_init)
+    def _init_on_cpu(self, module, *args, **kwargs):
+        if len(args) < _DEVICE_ID_POSITION and kwargs.get("device_id") is None:
+            kwargs["device_id"] = torch.device("cpu")
+        _torch_fsdp_init(self, module, *args, **kwargs)
+
+    _TorchFSDP.__init__ = _init_on_cpu
+
+if os.environ.get("FSDP_LITE_TORCH_TESTS_RANKS"):
+    import torch.testing._internal.common_fsdp as _common_fsdp_ranks
+
+    _common_fsdp_ranks.DEVICE_COUNT = int(os.environ["FSDP_LITE_TORCH_TESTS_RANKS"])
 
 try:  # on the path only under run_torch_fsdp2_tests.sh --lift-gpu-gates
     import torch_fsdp2_tests_lift_gpu_gates  # noqa: F401
