@@ -18,6 +18,7 @@ import datetime
 import json
 import logging
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -159,6 +160,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "of two; default the smallest one >= 4 and >= the largest world size)",
     )
     parser.add_argument("--world-size-run", help=argparse.SUPPRESS)  # set by --world-sizes
+    parser.add_argument(
+        "--coverage",
+        nargs="?",
+        const="conformance-coverage",
+        metavar="DIR",
+        help="measure the line and branch coverage of the judged implementation in every rank "
+        "and write a per-file table to DIR (default ./conformance-coverage): coverage.md, "
+        "coverage.json and the combined data file .coverage",
+    )
+    parser.add_argument(
+        "--coverage-source",
+        metavar="PKG,...",
+        help="with --coverage: the packages or modules to measure (default fsdp_lite for the "
+        "fsdp_lite implementations, else each adapter's own module)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
     parser.add_argument("--markdown", metavar="PATH", help="write the summary table as Markdown")
@@ -224,6 +240,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--virtual-batches must be a power of two, not {v}")
     elif args.virtual_batches is not None:
         parser.error("--virtual-batches needs --world-sizes")
+    if args.coverage is not None:
+        given = {"--self-test": args.self_test, "--world-sizes": args.world_sizes is not None}
+        clash = [flag for flag, on in given.items() if on]
+        if clash:
+            parser.error(f"--coverage does not take {', '.join(clash)}")
+        try:
+            import coverage  # noqa: F401
+        except ImportError:
+            parser.error("--coverage needs coverage.py: pip install 'fsdp-lite[coverage]'")
+    elif args.coverage_source is not None:
+        parser.error("--coverage-source needs --coverage")
     if args.timeout is None:
         from conformance.selftest import SELF_TEST_TIMEOUT_S
 
@@ -267,11 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             launchers = _launchers(tmp, args.timeout)
             return selftest.run(args, lambda nproc, argv: launchers(nproc).run(argv))
     if "RANK" in os.environ:  # started by torchrun, or by a Launcher
-        if args.retry_crashed and not args.launch_dir:
-            print(
-                "conformance: --retry-crashed needs the ranks it launches; run it without torchrun"
-            )
-            return 1
+        for flag, given in (("--retry-crashed", args.retry_crashed), ("--coverage", args.coverage)):
+            if given and not args.launch_dir:
+                print(f"conformance: {flag} needs the ranks it launches; run it without torchrun")
+                return 1
         return run_rank(args)
     return launch(args, argv)
 
@@ -284,13 +310,20 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
         events = Path(args.jsonl) if args.jsonl else Path(tmp) / "events.jsonl"
         events.write_text("")  # this run's lines only
+        launcher = _launchers(tmp, args.timeout)(args.nproc)
         state = run_surviving(
-            _launchers(tmp, args.timeout)(args.nproc),
+            launcher,
             _rank_argv(argv),
             events,
             retry_crashed=args.retry_crashed,
             exitfirst=args.exitfirst,
         )
+        if args.coverage is not None:
+            from conformance.launcher import combine_coverage
+
+            covered = combine_coverage(
+                launcher.launch_dirs(), Path(args.coverage), coverage_packages(args)
+            )
     results = _assemble(state)
     if state.plan is not None:
         meta = dict(state.plan["meta"])
@@ -299,7 +332,44 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     meta.update(
         seconds=round(state.seconds, 2), launches=state.launches, retry_crashed=args.retry_crashed
     )
-    return _finish(args, results, meta, print, outside=state.outside)
+    status = _finish(args, results, meta, print, outside=state.outside)
+    if args.coverage is not None:
+        _write_coverage(Path(args.coverage), covered, argv, print)
+    return status
+
+
+def coverage_packages(args: argparse.Namespace) -> list[str]:
+    """What ``--coverage`` measures: ``--coverage-source``, else fsdp_lite for its
+    implementations and each other adapter's module (torch's FSDP is imported before the ranks
+    start measuring, so its module-level lines would read as missed)."""
+    if args.coverage_source:
+        return [p for p in args.coverage_source.split(",") if p]
+    from conformance.adapters import BUILTIN
+
+    packages: list[str] = []
+    for spec in args.impl:
+        if spec.startswith("fsdp_lite"):
+            package = "fsdp_lite"
+        else:
+            package = BUILTIN.get(spec, spec).partition(":")[0]
+        if package not in packages:
+            packages.append(package)
+    return packages
+
+
+def _write_coverage(
+    out: Path, doc: dict[str, Any], argv: list[str], say: Callable[[str], None]
+) -> None:
+    """Print the coverage table and write it to ``out`` as coverage.md and coverage.json."""
+    from conformance import report
+
+    doc = {"command": shlex.join(["python", "-m", "conformance", *argv]), **doc}
+    table = report.coverage_markdown(doc)
+    say("")
+    say(table)
+    _write(str(out / "coverage.md"), table)
+    _write(str(out / "coverage.json"), json.dumps(doc, indent=2) + "\n")
+    say(f"coverage: {out / 'coverage.md'}, {out / 'coverage.json'}, data {out / '.coverage'}")
 
 
 def _launchers(work: str, timeout_s: float) -> Callable[[int], Any]:
@@ -402,12 +472,16 @@ def run_rank(args: argparse.Namespace) -> int:
         from conformance.launcher import rank_setup
 
         rank_setup(args.launch_dir)  # stderr to the launch's files, faulthandler, heartbeat
+        if args.coverage is not None:  # before any case imports the implementation
+            from conformance.launcher import start_coverage
+
+            start_coverage(args.launch_dir, coverage_packages(args))
 
     import torch
     import torch.distributed as dist
 
     from conformance import report
-    from conformance.launcher import EventLog
+    from conformance.launcher import EventLog, save_coverage
     from conformance.runner import run_cases
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -478,6 +552,7 @@ def run_rank(args: argparse.Namespace) -> int:
                   "time": time.time()})  # fmt: skip
 
         def done(index: int, total: int, result) -> None:
+            save_coverage()  # what a rank measured survives its death in a later case
             say(report.format_progress(first + index, len(cases), result))
             emit({"event": "case", "index": first + index, **report.case_json(result)})
 

@@ -47,9 +47,12 @@ __all__ = [
     "EventLog",
     "Launcher",
     "Survived",
+    "combine_coverage",
     "rank_setup",
     "read_events",
     "run_surviving",
+    "save_coverage",
+    "start_coverage",
 ]
 
 _TAIL_LINES = 40  # of a dead rank's stderr kept in the report, from its native message on
@@ -135,6 +138,53 @@ def rank_setup(launch_dir: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     (directory / f"rank{rank}.pid").write_text(str(os.getpid()))
     runner.set_heartbeat(_Heartbeat(directory / f"rank{rank}.heartbeat"))
+
+
+# ---- coverage of the judged implementation (--coverage) ----------------------------------------
+#
+# Note [Coverage across ranks]: each rank of a launch measures the judged packages from before
+# the first case (nothing of the implementation is imported before its adapter's first wrap),
+# into a data file of its own in the launch's directory, tagged ``launchK/rankR`` (a static
+# context). A rank saves after every case and at exit, and on torchrun's SIGTERM when a peer died
+# (coverage's sigterm option), so fresh ranks after a crash add to what the dead ones measured;
+# only a rank that dies natively or is killed loses its open case. The launching process combines
+# every launch's files at the end (``combine_coverage``).
+
+_coverage: Any = None  # this rank's coverage.Coverage, while it measures
+
+
+def start_coverage(launch_dir: str, packages: list[str]) -> None:
+    """Measure line and branch coverage of ``packages`` in this rank until it exits."""
+    import atexit
+
+    import coverage
+
+    global _coverage
+    rank = int(os.environ["RANK"])
+    cov = coverage.Coverage(
+        data_file=str(Path(launch_dir) / "coverage" / ".coverage"),
+        data_suffix=True,  # .coverage.HOST.PID.RANDOM: one file per process
+        branch=True,
+        source=packages,
+        context=f"{Path(launch_dir).name}/rank{rank}",  # e.g. launch2/rank1
+        config_file=False,  # the user's .coveragerc is for their own tests, not this
+    )
+    cov.set_option("run:sigterm", True)
+    cov.start()
+    _coverage = cov
+    atexit.register(save_coverage, stop=True)
+
+
+def save_coverage(stop: bool = False) -> None:
+    """Write what this rank measured so far to its data file (and stop measuring, if ``stop``)."""
+    global _coverage
+    if _coverage is None:
+        return
+    if stop:
+        _coverage.stop()
+    _coverage.save()
+    if stop:
+        _coverage = None
 
 
 # ---- the launching process's side --------------------------------------------------------------
@@ -230,6 +280,102 @@ class Launcher:
         if not failures and watch.hung is None:
             return None
         return _death(launch_dir, self.nproc, failures, watch)
+
+    def launch_dirs(self) -> list[Path]:
+        """The directories of the launches so far, in order."""
+        return [self.work / f"launch{n}" for n in range(1, self.launches + 1)]
+
+
+def combine_coverage(launch_dirs: list[Path], out_dir: Path, packages: list[str]) -> dict[str, Any]:
+    """Combine every launch's coverage data into ``out_dir/.coverage``; per file of ``packages``
+    its line and branch coverage, as a JSON-ready dict (Note [Coverage across ranks])."""
+    import coverage
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data_dirs = [d / "coverage" for d in launch_dirs if (d / "coverage").is_dir()]
+    data_files = [f for d in data_dirs for f in sorted(d.glob(".coverage.*"))]
+    cov = coverage.Coverage(
+        data_file=str(out_dir / ".coverage"), branch=True, source=packages, config_file=False
+    )
+    cov.erase()  # a previous run's data in out_dir is not this run's
+    cov.combine([str(f) for f in data_files], keep=True)
+    cov.save()
+    data = cov.get_data()
+    contexts = [c for c in data.measured_contexts() if re.fullmatch(r"launch\d+/rank\d+", c)]
+    doc: dict[str, Any] = {
+        "packages": packages,
+        "coverage_version": coverage.__version__,
+        "launches": len(launch_dirs),
+        "data_files": len(data_files),
+        "ranks": sorted({int(c.rpartition("rank")[2]) for c in contexts}),
+        "contexts": sorted(contexts, key=_natural),  # launchK/rankR: who measured
+        "totals": _coverage_counts(0, 0, 0, 0),
+        "files": {},
+    }
+    if not data.measured_files():
+        return doc
+    report = out_dir / ".coverage.json.tmp"
+    cov.json_report(outfile=str(report))
+    raw = json.loads(report.read_text())
+    report.unlink()
+    roots = _package_roots(packages)
+    for path, entry in sorted(raw["files"].items(), key=lambda kv: _display(kv[0], roots)):
+        summary = entry["summary"]
+        counts = _coverage_counts(
+            summary["num_statements"],
+            summary["covered_lines"],
+            summary.get("num_branches", 0),
+            summary.get("covered_branches", 0),
+        )
+        doc["files"][_display(path, roots)] = {**counts, "missing_lines": entry["missing_lines"]}
+    totals = raw["totals"]
+    doc["totals"] = _coverage_counts(
+        totals["num_statements"],
+        totals["covered_lines"],
+        totals.get("num_branches", 0),
+        totals.get("covered_branches", 0),
+    )
+    return doc
+
+
+def _natural(text: str) -> list[Any]:
+    """A sort key that puts launch10 after launch9."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def _coverage_counts(statements: int, lines: int, branches: int, taken: int) -> dict[str, Any]:
+    """Counts and percentages (one decimal); a file without branches has no branch percentage."""
+    return {
+        "statements": statements,
+        "covered_lines": lines,
+        "line_percent": round(100.0 * lines / statements, 1) if statements else 100.0,
+        "branches": branches,
+        "covered_branches": taken,
+        "branch_percent": round(100.0 * taken / branches, 1) if branches else None,
+    }
+
+
+def _package_roots(packages: list[str]) -> list[Path]:
+    """The directories that hold each package (or module): paths are shown relative to them."""
+    import importlib.util
+
+    roots = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            origin = Path(spec.origin).resolve()
+            depth = name.count(".") + (1 if spec.submodule_search_locations else 0)
+            roots.append(origin.parents[depth])
+    return roots
+
+
+def _display(path: str, roots: list[Path]) -> str:
+    """``path`` relative to the first root that holds it, e.g. ``fsdp_lite/engine/unit.py``."""
+    resolved = Path(path).resolve()
+    for root in roots:
+        if resolved.is_relative_to(root):
+            return resolved.relative_to(root).as_posix()
+    return path
 
 
 def _torchrun_main(argv: list[str]) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "EXIT_PASSED",
     "NON_FINITE",
     "case_json",
+    "coverage_markdown",
     "describe_case",
     "SCHEMA_VERSION",
     "exit_status",
@@ -494,6 +495,33 @@ def to_markdown(
                 retries,
             ]
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def coverage_markdown(doc: dict[str, Any]) -> str:
+    """``--coverage``'s table (launcher.combine_coverage's dict): per file its covered lines and
+    branches and their percentages, then the total."""
+
+    def cells(name: str, c: dict[str, Any]) -> str:
+        branch = "-" if c["branch_percent"] is None else f"{c['branch_percent']:.1f}"
+        return (
+            f"| {name} | {c['covered_lines']}/{c['statements']} | {c['line_percent']:.1f} "
+            f"| {c['covered_branches']}/{c['branches']} | {branch} |"
+        )
+
+    ranks = ", ".join(map(str, doc["ranks"])) or "none"
+    launches = "1 launch" if doc["launches"] == 1 else f"{doc['launches']} launches"
+    lines = [
+        f"## Coverage of {', '.join(doc['packages'])}",
+        "",
+        f"`{doc['command']}`: {doc['data_files']} data files from {launches}, ranks {ranks}; "
+        f"coverage.py {doc['coverage_version']}.",
+        "",
+        "| file | lines | line % | branches | branch % |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [cells(name, c) for name, c in doc["files"].items()]
+    lines.append(cells("**total**", doc["totals"]))
     return "\n".join(lines) + "\n"
 
 
