@@ -131,6 +131,9 @@ class Feature:
     # The implementation's optimizer runs torch's multi-tensor (foreach) kernels, as it does by
     # default on accelerators; the references keep the per-tensor loop (the same bits).
     foreach_optimizer: bool = False
+    # A construction path or setter of one API family, wrapping only (adapters/base.py WRAP_VARIANTS);
+    # an adapter whose API lacks it reports the case unsupported.
+    wrap_variant: str | None = None
 
     @property
     def reference_key(self) -> tuple:
@@ -221,6 +224,30 @@ FEATURES = {
             "SGD with foreach=True (multi-tensor kernels, torch's default on accelerators)",
             foreach_optimizer=True,
         ),
+        # Construction paths and setters (wrapping only: the references train as in "plain").
+        Feature(
+            "sync_module_states",
+            "FSDP1's sync_module_states=True; every rank but 0 starts from other values",
+            wrap_variant="sync_module_states",
+        ),
+        Feature(
+            "meta_init",
+            "the model on the meta device when wrapped, then materialized with the initial values "
+            "(FSDP1: param_init_fn; FSDP2: to_empty and a copy into the shards)",
+            wrap_variant="meta_init",
+        ),
+        Feature(
+            "shard_dim1",
+            "FSDP2's shard_placement_fn: every 2-D parameter sharded on dim 1",
+            wrap_variant="shard_dim1",
+        ),
+        Feature(
+            "keep_after_backward",
+            "2 micro-batches, the first under FSDP2's set_requires_gradient_sync(False) and "
+            "set_reshard_after_backward(False) (gradient accumulation without a second gather)",
+            micro_batches=2,
+            wrap_variant="keep_after_backward",
+        ),
         # The offload features below are EXTRA_FEATURES: run only for implementations that list
         # them (Adapter.features), since torch FSDP has no equivalent of any of them.
         Feature(
@@ -272,6 +299,8 @@ DEFAULT_MATRIX = (
     # ... and backwards without sync under it: FSDP1 sums them in bf16, FSDP2 in fp32.
     Slice(CORE_STRATEGIES, ("bf16r32",), ("no_sync",), ("lm_untied",)),
     Slice(CORE_STRATEGIES, ("fp32", "bf16"), ("plain",), ("bufnet", "unused")),
+    # Construction paths on a model with float and integer buffers (lm_untied has none).
+    Slice(CORE_STRATEGIES, ("fp32", "bf16"), ("sync_module_states", "meta_init"), ("bufnet",)),
     # fp16: an inf in the gradient rows of one rank only; the gradient scaler must agree.
     Slice(CORE_STRATEGIES, ("fp16",), ("plain",), ("spiky",)),
     Slice(CORE_STRATEGIES, ("fp32", "bf16", "fp16"), _LOOP_FEATURES, ("lm_untied",)),

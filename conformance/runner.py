@@ -528,6 +528,9 @@ def run_cases(
         reason = adapter.unsupported_reason(case)  # no collectives: every rank decides alike
         if reason is None and case.optimizer not in adapter.optimizers():
             reason = f"{adapter.name} is not trained with {case.optimizer} (Adapter.optimizers)"
+        variant = FEATURES[case.feature].wrap_variant
+        if reason is None and variant is not None and variant not in adapter.wrap_variants():
+            reason = f"{adapter.name} has no {variant} (Adapter.wrap_variants)"
         if reason is not None:
             result = CaseResult(case, "unsupported", reason=reason)
         else:

@@ -25,7 +25,19 @@ from torch.distributed.tensor import DTensor
 
 from conformance.matrix import Case
 
-__all__ = ["Adapter", "Fsdp1ApiAdapter", "Unsupported", "WrapRequest", "clean_name", "full_tensor"]
+__all__ = [
+    "FSDP1_VARIANTS",
+    "FSDP2_VARIANTS",
+    "Adapter",
+    "Fsdp1ApiAdapter",
+    "Unsupported",
+    "WrapRequest",
+    "clean_name",
+    "full_tensor",
+    "materialize",
+    "to_meta",
+    "wrap_variant",
+]
 
 # Wrapper attributes that appear in parameter names but not in the user's module.
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -108,6 +120,55 @@ class WrapRequest:
         return lambda module: id(module) in unit_ids
 
 
+# The features' construction paths and setters (matrix.Feature.wrap_variant) each API family has.
+FSDP1_VARIANTS = ("sync_module_states", "meta_init")
+FSDP2_VARIANTS = ("meta_init", "shard_dim1", "keep_after_backward")
+
+
+def wrap_variant(case: Case) -> str | None:
+    """The construction path or setter ``case``'s feature asks for, if any."""
+    from conformance.matrix import FEATURES
+
+    return FEATURES[case.feature].wrap_variant
+
+
+def to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Move every parameter and buffer of ``model`` to the meta device (one parameter object per
+    tied group, as before); returns clones of their values, by name, to materialize with."""
+    values = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    metas: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    if id(p) not in metas:
+                        metas[id(p)] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+                    module._parameters[name] = metas[id(p)]
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = b.to("meta")
+    return values
+
+
+def materialize(module: nn.Module, prefix: str, values: dict[str, torch.Tensor]) -> None:
+    """Copy ``values`` (``to_meta``'s) into ``module``'s own parameters and buffers, whose names
+    in the unwrapped model start with ``prefix``; DTensors get their local shard of the value."""
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        own = list(module.named_parameters(recurse=False)) + list(
+            module.named_buffers(recurse=False)
+        )
+        for name, t in own:
+            value = values[clean_name(prefix + name)]
+            if isinstance(t, DTensor):
+                value = distribute_tensor(
+                    value.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None
+                ).to_local()
+                t = t.to_local()
+            t.copy_(value)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole logical tensor on every rank: DTensor shards are all-gathered, others returned."""
     if isinstance(t, DTensor):
@@ -157,6 +218,11 @@ class Adapter:
 
     def features(self) -> list[str]:
         """The ``matrix.EXTRA_FEATURES`` this implementation has; only those are put in its matrix."""
+        return []
+
+    def wrap_variants(self) -> list[str]:
+        """The construction paths and setters (``matrix.Feature.wrap_variant``) ``wrap`` builds;
+        a case asking for another is reported unsupported."""
         return []
 
     def unsupported_reason(self, case: Case) -> str | None:
@@ -308,6 +374,9 @@ class Fsdp1ApiAdapter(Adapter):
             return f"{self.api}.ShardingStrategy has no {case.strategy}"
         return None
 
+    def wrap_variants(self) -> list[str]:
+        return list(FSDP1_VARIANTS)
+
     def wrap(self, model: nn.Module, request: WrapRequest) -> nn.Module:
         api = importlib.import_module(self.api)
         policy = importlib.import_module(f"{self.api}.wrap").lambda_auto_wrap_policy
@@ -337,6 +406,24 @@ class Fsdp1ApiAdapter(Adapter):
             kwargs["device_mesh"] = request.hybrid_mesh()
         else:
             kwargs["process_group"] = request.group
+        variant = wrap_variant(request.case)
+        if variant == "sync_module_states":
+            if dist.get_rank() != 0:  # rank 0's values must reach every rank
+                with torch.no_grad():
+                    for t in list(model.parameters()) + list(model.buffers()):
+                        if t.is_floating_point():
+                            t.add_(1.0)
+            kwargs["sync_module_states"] = True
+        elif variant == "meta_init":
+            prefixes = {id(m): f"{n}." if n else "" for n, m in model.named_modules()}
+            values = to_meta(model)
+            device = request.device
+
+            def param_init_fn(module: nn.Module) -> None:
+                module.to_empty(device=device, recurse=False)
+                materialize(module, prefixes[id(module)], values)
+
+            kwargs["param_init_fn"] = param_init_fn
         return api.FullyShardedDataParallel(
             model,
             sharding_strategy=api.ShardingStrategy[request.strategy],

@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import Fsdp1ApiAdapter, Unsupported, WrapRequest, clean_name
+from conformance.adapters.base import (
+    Fsdp1ApiAdapter,
+    Unsupported,
+    WrapRequest,
+    clean_name,
+    wrap_variant,
+)
 from conformance.matrix import Case
 
 __all__ = ["TorchFSDP1Adapter"]
@@ -38,6 +44,10 @@ class TorchFSDP1Adapter(Fsdp1ApiAdapter):
             # FSDP1 moves offloaded shards to the accelerator for compute; without one, the first
             # forward raises "Cannot access accelerator device when none is available".
             raise Unsupported("FSDP1's CPUOffload needs an accelerator as the compute device")
+        if wrap_variant(request.case) == "sync_module_states" and request.device.type == "cpu":
+            # "The module has CPU parameters or buffers when `sync_module_states=True`, which
+            # requires them to be on GPU" (FSDP1's words, raised when wrapping).
+            raise Unsupported("FSDP1's sync_module_states needs parameters on an accelerator")
         return super().wrap(model, request)
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -18,7 +18,16 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import Adapter, WrapRequest, _named_tensors, full_tensor
+from conformance.adapters.base import (
+    FSDP2_VARIANTS,
+    Adapter,
+    WrapRequest,
+    _named_tensors,
+    full_tensor,
+    materialize,
+    to_meta,
+    wrap_variant,
+)
 from conformance.matrix import Case
 
 __all__ = ["FsdpLiteFSDP2Adapter", "TorchFSDP2Adapter"]
@@ -46,6 +55,9 @@ class TorchFSDP2Adapter(Adapter):
             # set_modules_to_backward_prefetch([]) falls back to that same default.
             return f"FSDP2 has no backward_prefetch={prefetch} mode"
         return None
+
+    def wrap_variants(self) -> list[str]:
+        return list(FSDP2_VARIANTS)
 
     def wrap(self, model: nn.Module, request: WrapRequest) -> nn.Module:
         api = importlib.import_module(self.api)
@@ -83,9 +95,20 @@ class TorchFSDP2Adapter(Adapter):
             mp_policy=mp_policy,
             offload_policy=offload_policy,
         )
+        variant = wrap_variant(request.case)
+        if variant == "shard_dim1":
+            from torch.distributed.tensor import Shard
+
+            kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 2 else None
+        values = to_meta(model) if variant == "meta_init" else None
         for unit in request.units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
+        if values is not None:  # torchtitan's recipe: to_empty, then each rank inits its shards
+            model.to_empty(device=request.device)
+            for name, module in model.named_modules():
+                materialize(module, f"{name}." if name else "", values)
+        model.__dict__["_conformance_keep"] = variant == "keep_after_backward"  # per case
         if request.forward_prefetch:
             _chain_forward_prefetch(request.units, api.FSDPModule)
         return model
@@ -98,11 +121,18 @@ class TorchFSDP2Adapter(Adapter):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
+        # keep_after_backward: the unsharded params also stay until the next forward, as FSDP2's
+        # docs suggest for gradient accumulation.
+        keep = model.__dict__.get("_conformance_keep", False)
         model.set_requires_gradient_sync(False)
+        if keep:
+            model.set_reshard_after_backward(False)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
+            if keep:
+                model.set_reshard_after_backward(True)
 
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, norm_type: float = 2.0
