@@ -270,8 +270,8 @@ def auto_wrap(
     for name, module in root_module.named_modules():
         if _is_wrapped(module, wrapper_cls):
             raise ValueError(
-                f"auto wrapping requires modules to not already be wrapped by {wrapper_cls} but "
-                f"found {name or 'the root module'} in\n{root_module}"
+                "FSDP auto wrapping requires modules to not already have FSDP applied but "
+                f"found {name} in\n{root_module}"
             )
     # MixedPrecision._module_classes_to_ignore (default: BatchNorm) become units of their own with
     # mixed_precision=None, whatever the policy; module.py / mixed_precision.py add the fp32 casts

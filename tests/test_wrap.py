@@ -437,7 +437,7 @@ def test_already_wrapped_submodule_raises_as_in_native_fsdp(gloo_group):
     for policy in (lite_wrap.always_wrap_policy, lite_wrap.ModuleWrapPolicy({nn.Linear})):
         model = TinyLM()
         model.blocks[0] = _Marker(model.blocks[0])
-        with pytest.raises(ValueError, match="already be wrapped .* found blocks.0"):
+        with pytest.raises(ValueError, match="already have FSDP applied but found blocks.0"):
             auto_wrap(model, policy, _Marker, set(), set(), {})
 
 
