@@ -38,19 +38,19 @@ def table(doc: dict) -> str:
         f"{doc['world_size']} ranks, {doc['backend']} on {doc['device']}, torch {doc['torch']}, "
         f"{doc['seconds'] / 60:.1f} min for {len(doc['cases'])} cases.",
         "",
-        "| implementation | cases | passed | failed | unsupported | bitwise vs DDP (of passed) "
-        "| failing (feature: cases) |",
-        "|---|---|---|---|---|---|---|",
+        "| implementation | cases | passed | failed | crashed | unsupported "
+        "| bitwise vs DDP (of passed) | failing or crashed (feature: cases) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for impl, cases in by_impl.items():
         counts = Counter(c["status"] for c in cases)
         passed = [c for c in cases if c["status"] == "passed"]
         bitwise = sum(all(s["bitwise"] for s in c["stages"].values()) for c in passed)
-        failing = Counter(c["feature"] for c in cases if c["status"] == "failed")
+        failing = Counter(c["feature"] for c in cases if c["status"] in ("failed", "crashed"))
         where = ", ".join(f"{f}: {n}" for f, n in sorted(failing.items())) or "-"
         lines.append(
             f"| {impl} | {len(cases)} | {counts['passed']} | {counts['failed']} "
-            f"| {counts['unsupported']} | {bitwise} | {where} |"
+            f"| {counts['crashed']} | {counts['unsupported']} | {bitwise} | {where} |"
         )
     return "\n".join(lines) + "\n"
 
