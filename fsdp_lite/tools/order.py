@@ -73,7 +73,10 @@ The rank that finds it tells the peer through the store (``_Whereabouts``: the p
 looks for a verdict while its record is published, logs it at ERROR level and acknowledges). The
 peer's own thread cannot be interrupted (a pending gloo collective returns only when a peer's
 connection closes or at the timeout; ``ProcessGroup.abort()`` does not end it): it fails when the
-finding rank exits. A watched wait raises ``CollectiveOrderError`` at once. A direct wait cannot
+finding rank exits, and raises the same diagnosis as a ``CollectiveOrderError`` (armed by its
+helper with CPython's ``PyThreadState_SetAsyncExc``; the backend's error is its ``__context__``).
+Armed only when the finder raises, which it does once the same record was seen twice: a rank
+whose collective could still complete is never armed. A watched wait raises ``CollectiveOrderError`` at once. A direct wait cannot
 raise while it blocks: its watchdog logs the same diagnosis at ERROR level on this rank too, and
 the wait raises it when it fails (the peer exits, or the process group's timeout).
 
@@ -87,6 +90,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import functools
 import json
 import logging
@@ -657,6 +661,32 @@ def _group_ranks(frame: FrameType, name: str) -> tuple[int, ...] | None:
     return None
 
 
+def _looking_at(thread: int | None) -> tuple[tuple[int, int], Foreign] | None:
+    """``foreign_collective`` of ``thread``'s innermost frame (None: no such thread)."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    try:
+        return foreign_collective(frame)
+    finally:
+        del frame  # a frame holds its locals (tensors): keep none
+
+
+def _raise_when_it_returns(thread: int, message: str) -> None:
+    """Arm ``CollectiveOrderError(message)`` in ``thread``, blocked in a foreign collective
+    (Note [Foreign collectives]): CPython raises it as soon as the thread runs Python code again,
+    when its collective fails, with the backend's error as its ``__context__``. The C API takes
+    an exception class, not an instance (Python 3.11), so a subclass carries the message."""
+
+    def init(self: BaseException) -> None:
+        CollectiveOrderError.__init__(self, message)
+
+    armed = type(
+        "CollectiveOrderError",
+        (CollectiveOrderError,),
+        {"__init__": init, "__module__": __name__, "__qualname__": "CollectiveOrderError"},
+    )
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(armed))
+
+
 def _default_store() -> dist.Store | None:
     # The rendezvous store every rank already shares; no collective, so it works while the
     # group's collectives are stuck.
@@ -841,11 +871,7 @@ class _Whereabouts:
         self._told = False
 
     def sample(self, thread: int | None) -> None:
-        frame = sys._current_frames().get(thread) if thread is not None else None
-        try:
-            found = foreign_collective(frame)
-        finally:
-            del frame  # a frame holds its locals (tensors): keep none
+        found = _looking_at(thread)
         now = time.monotonic()
         at = found[0] if found is not None else None
         if at != self._at:
@@ -857,7 +883,7 @@ class _Whereabouts:
                 if now - self._since >= STALL_SECONDS:
                     self._publish()
             elif not self._told:
-                self._read_verdict()
+                self._read_verdict(thread)
 
     def _publish(self) -> None:
         store = _default_store()
@@ -889,7 +915,7 @@ class _Whereabouts:
         except RuntimeError:
             pass
 
-    def _read_verdict(self) -> None:
+    def _read_verdict(self, thread: int) -> None:
         store = _default_store()
         if store is None:
             return
@@ -903,20 +929,23 @@ class _Whereabouts:
             return
         self._told = True
         by = verdict["by"]
-        _log.error(
-            "fsdp_lite: rank %d cannot leave %s: rank %d waits for it in one of fsdp_lite's "
-            "collectives, and %s. torch.distributed's collective cannot be interrupted: it fails "
-            "when rank %d exits, or at the process group's timeout. Rank %d's finding: %s",
-            me,
-            self._foreign.describe(),
-            by,
-            "raises CollectiveOrderError"
-            if verdict["raises"]
-            else "cannot raise either (its wait is direct)",
-            by,
-            by,
-            verdict["message"],
+        message = (
+            f"fsdp_lite: rank {me} cannot leave {self._foreign.describe()}: rank {by} waits for "
+            "it in one of fsdp_lite's collectives, and "
+            + (
+                "raises CollectiveOrderError"
+                if verdict["raises"]
+                else "cannot raise either (its wait is direct)"
+            )
+            + ". torch.distributed's collective cannot be interrupted: it fails when rank "
+            f"{by} exits, or at the process group's timeout. Rank {by}'s finding: "
+            + verdict["message"]
         )
+        _log.error("%s", message)
+        # The finding rank raises and exits, which fails this thread's collective: it then
+        # raises the same diagnosis instead of the backend's bare "connection closed".
+        if verdict["raises"] and _looking_at(thread) is not None:
+            _raise_when_it_returns(thread, message)
         try:
             store.set(_where_key(me, "told", record_id), "1")
         except RuntimeError:
