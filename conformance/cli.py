@@ -178,6 +178,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
     parser.add_argument("--markdown", metavar="PATH", help="write the summary table as Markdown")
+    parser.add_argument(
+        "--html",
+        metavar="PATH",
+        help="write a self-contained HTML report: a heat map of every case's distance to each "
+        "reference per stage, the failures first with their curves, the run's metadata and, with "
+        "--compare-to, the changes (python -m conformance.html renders one from a --json report)",
+    )
     parser.add_argument("--list", action="store_true", help="print the selected cases and exit")
     parser.add_argument(
         "--verbose", "-v", action="store_true", help="log diagnostics (logger 'conformance')"
@@ -213,6 +220,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         problem = main_guard(args)
         if problem:
             parser.error(problem)
+    if args.self_test and args.html is not None:
+        parser.error("--self-test prints its own kill table: it takes no --html")
     if args.world_sizes is not None:
         from conformance.world_size import parse_world_sizes
 
@@ -229,6 +238,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                 ("--case", bool(args.case)),
                 ("--quick", args.quick),
                 ("--junit", args.junit is not None),
+                ("--html", args.html is not None),
                 ("--optimizers", args.optimizers != ["sgd"]),
             )
             if given
@@ -481,8 +491,9 @@ def run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from conformance import report
+    from conformance.curves import CurveRecorder
     from conformance.launcher import EventLog, save_coverage
-    from conformance.runner import run_cases
+    from conformance.runner import run_cases, set_observer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
@@ -498,6 +509,7 @@ def run_rank(args: argparse.Namespace) -> int:
         device_id=device if device.type == "cuda" else None,
     )
     events = EventLog(args.jsonl) if args.jsonl and rank == 0 else None
+    curves = CurveRecorder() if rank == 0 else None  # for the HTML report, in every report
     try:
         if args.self_test_plan:
             from conformance.selftest import rank_main
@@ -553,10 +565,13 @@ def run_rank(args: argparse.Namespace) -> int:
 
         def done(index: int, total: int, result) -> None:
             save_coverage()  # what a rank measured survives its death in a later case
+            if curves is not None:
+                result.curves = curves.pop(result.case.name)
             say(report.format_progress(first + index, len(cases), result))
             emit({"event": "case", "index": first + index, **report.case_json(result)})
 
         start = time.perf_counter()
+        set_observer(curves)
         results = run_cases(
             cases[first:last],
             adapters,
@@ -627,6 +642,12 @@ def _finish(
     _write(args.json, text)
     _write(args.junit, report.to_junit(results, outside=outside))
     _write(args.markdown, markdown)
+    if args.html is not None:
+        from conformance.baseline import load_report
+        from conformance.html import render
+
+        baseline = None if args.compare_to is None else load_report(args.compare_to)
+        _write(args.html, render(json.loads(text), baseline, args.compare_to))
     return status
 
 

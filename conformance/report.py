@@ -250,7 +250,7 @@ def case_json(r: CaseResult) -> dict[str, Any]:
             "vs_single": single,
         }
     first = r.first_failure()
-    return {
+    doc = {
         "name": c.name,
         "impl": c.impl,
         "strategy": c.strategy,
@@ -267,6 +267,9 @@ def case_json(r: CaseResult) -> dict[str, Any]:
         "stages": stages,
         "crash": r.crash,
     }
+    if r.curves is not None:  # recorded by the CLI (conformance/curves.py)
+        doc["curves"] = r.curves
+    return doc
 
 
 def to_json(

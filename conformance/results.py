@@ -33,6 +33,9 @@ class CaseResult:
     seconds: float = 0.0
     # crashed only: which rank died and how, its native stderr, the retries (launcher.py)
     crash: dict[str, Any] | None = None
+    # per-step loss and gradient norm of the implementation and the references, recorded on
+    # rank 0 (conformance/curves.py); for the HTML report
+    curves: dict[str, Any] | None = None
 
     def first_failure(self) -> tuple[int, str] | None:
         """(1-based step, stage) of the earliest failed comparison, or None."""
@@ -97,4 +100,5 @@ def case_from_json(doc: dict[str, Any]) -> CaseResult:
         stages=stages,
         seconds=doc.get("seconds", 0.0),
         crash=doc.get("crash"),
+        curves=doc.get("curves"),
     )

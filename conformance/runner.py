@@ -94,6 +94,18 @@ def set_heartbeat(hook: Callable[[str, str], None] | None) -> None:
     _heartbeat = hook
 
 
+_observer: Callable[[Case, int, str, Any, dict[str, Any]], None] | None = None
+
+
+def set_observer(hook: Callable[[Case, int, str, Any, dict[str, Any]], None] | None) -> None:
+    """Call ``hook(case, step, stage, actual, expected)`` with each stage's values before they are
+    compared (``expected``: the references' by name); cli.py records loss and gradient-norm
+    curves for the HTML report with it (conformance/curves.py). ``step`` is 1-based; the step
+    after the state-dict round trip is ``steps + 1``."""
+    global _observer
+    _observer = hook
+
+
 def heartbeat(state: str, where: str) -> None:
     """Tell the hook set by ``set_heartbeat`` (if any) what this rank does: "busy", "waiting"
     (for the other ranks, in the control group) or "idle" (between cases)."""
@@ -342,6 +354,8 @@ class _CaseRun:
             where = self.outcome.stage
             self.outcome.stage = f"{where}, comparing {stage}"
             refs = {k: e[stage] for k, e in expected.items()}
+            if _observer is not None:
+                _observer(self.case, step, stage, actual, refs)
             if stage == "loss":
                 self._compare_loss(step, actual, refs, into or stage)
             else:

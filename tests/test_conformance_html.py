@@ -1,0 +1,332 @@
+"""The HTML report (issue 41 item 2): ``python -m conformance --html`` and ``python -m
+conformance.html``, read back as a person would read it.
+
+Most tests render a synthetic ``--json`` report of 1,000 cases over three implementations, built
+from real ``CaseResult``s by ``report.to_json`` (no ranks are started), with one planted failing
+case (``params`` from step 2) late in the run, one crashed case early and some unsupported ones,
+and parse the page with the standard library's ``html.parser``: the planted failure comes first
+with its first failing stage and step, the counts are right, no ``src`` or ``href`` leaves the
+file, the page stays under a size bound, and ``--compare-to`` shows the planted case as a
+regression. One test runs the suite itself on three cases with a gradient bug planted in one
+(scripts/conformance_html_demo.py). The last one renders the page in headless Chromium
+(``chromium --headless --dump-dom``) and reads the rendered DOM's text; it skips where no
+``chromium`` is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from conformance import html as html_report
+from conformance import report
+from conformance.compare import StageTally
+from conformance.matrix import Case
+from conformance.results import CaseResult
+from conformance.tolerances import STAGES, tolerance
+
+REPO = Path(__file__).resolve().parents[1]
+IMPLS = ("fsdp_lite", "torch_fsdp2", "torch_fsdp1")
+FEATURES = ("plain", "no_sync", "clip_grad_norm", "accumulate", "frozen_in_unit", "cpu_offload")
+MODELS = ("lm_untied", "mlp", "nested", "bufnet", "unused", "convnet", "frozen", "spiky")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+PRECISIONS = ("fp32", "bf16", "fp16")
+PLANTED = "fsdp_lite/SHARD_GRAD_OP/bf16/clip_grad_norm/nested/ws2"
+CRASHED = "fsdp_lite/FULL_SHARD/fp32/plain/lm_untied/ws2"
+SIZE_BOUND = 1_000_000  # bytes, for 1,000 cases (measured: see test_size_bound)
+
+
+def _cases(n: int) -> list[Case]:
+    cases = []
+    for impl in IMPLS:
+        for model in MODELS:
+            for feature in FEATURES:
+                for strategy in STRATEGIES:
+                    for precision in PRECISIONS:
+                        cases.append(Case(impl, strategy, precision, feature, model, 2))
+    assert len(cases) >= n
+    return cases[:n]
+
+
+def _result(case: Case, planted: bool) -> CaseResult:
+    """A passing case (bitwise vs DDP in fp32, a small distance otherwise), or the planted one:
+    params off both references from step 2 on, so optimizer state and state dict too."""
+    r = CaseResult(case, "passed", seconds=0.5)
+    r.stages = {
+        s: {ref: StageTally(tolerance(case, ref, s)) for ref in ("ddp", "single")} for s in STAGES
+    }
+    for stage in STAGES:
+        for ref, tally in r.stages[stage].items():
+            tally.compared = True
+            small = 0.0 if (ref == "ddp" and case.precision == "fp32") else 1e-7
+            tally.max_abs, tally.max_rel = small, small * 2
+            tally.bitwise = small == 0.0
+            if planted and STAGES.index(stage) >= STAGES.index("params"):
+                tally.max_abs, tally.max_rel, tally.bitwise, tally.passed = 5e-3, 0.7, False, False
+                tally.first_failed_step = 2 if stage != "state_dict" else 4
+                tally.worst = "step 2: fc1.weight"
+                tally.problems = ["step 2: fc1.weight: max abs error 0.005 > atol 0 + rtol 0"]
+    if planted:
+        r.status, r.reason = "failed", "params differs from the references (first at step 2)"
+    loss = [4.36, 4.16, 4.28, 4.25]
+    norm = [0.52, 0.50, 0.55, 0.52]
+    bent = [4.36, 4.16, 4.29, 4.26] if planted else loss
+    r.curves = {
+        "loss": {"impl": bent, "ddp": loss, "single": [4.29, 4.19, 4.28, 4.27]},
+        "grad_norm": {"impl": norm, "ddp": norm, "single": norm},
+    }
+    return r
+
+
+def synthetic(n: int = 1000, planted: bool = True) -> dict:
+    """A --json report of ``n`` cases: the planted failure (late), a crash (early), and every
+    ``cpu_offload`` case of torch_fsdp1 unsupported."""
+    results = []
+    for case in _cases(n):
+        if case.name == CRASHED:
+            crash = {"kind": "signal", "rank": 1, "signal": "SIGSEGV", "summary": "rank 1 died"}
+            crash["after"] = "step 2, comparing grads"
+            results.append(CaseResult(case, "crashed", "rank 1 died: SIGSEGV", crash=crash))
+        elif case.impl == "torch_fsdp1" and case.feature == "cpu_offload":
+            results.append(CaseResult(case, "unsupported", "no accelerator for CPUOffload"))
+        else:
+            results.append(_result(case, planted and case.name == PLANTED))
+    meta = {"impls": list(IMPLS), "world_size": 2, "backend": "gloo", "device": "cpu", "steps": 3}
+    return json.loads(report.to_json(results, {**meta, "seconds": 123.4}))
+
+
+class _Page(HTMLParser):
+    """The parts of the page the tests read: text by element id, table rows by table id, every
+    src and href, and the whole text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_id: dict[str, str] = {}
+        self.rows: dict[str, list[list[str]]] = {}
+        self.links: list[str] = []
+        self.text: list[str] = []
+        self._open: list[tuple[str, str | None]] = []  # (tag, id)
+        self._table: list[str | None] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.links += [v for k, v in attrs.items() if k in ("src", "href") and v]
+        if tag in ("br", "input", "meta"):
+            return
+        self._open.append((tag, attrs.get("id")))
+        if tag == "table":
+            self._table.append(attrs.get("id"))
+        elif tag == "tr" and self._table and self._table[-1]:
+            self.rows.setdefault(self._table[-1], []).append([])
+        elif tag in ("td", "th") and self._table and self._table[-1]:
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        while self._open:
+            open_tag, _ = self._open.pop()
+            if open_tag == tag:
+                break
+        if tag == "table" and self._table:
+            self._table.pop()
+        elif tag in ("td", "th") and self._cell is not None:
+            self.rows[self._table[-1]][-1].append("".join(self._cell).strip())
+            self._cell = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        for _, ident in self._open:
+            if ident:
+                self.by_id[ident] = self.by_id.get(ident, "") + data
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def _parse(text: str) -> _Page:
+    page = _Page()
+    page.feed(text)
+    page.close()
+    return page
+
+
+@pytest.fixture(scope="module")
+def thousand() -> tuple[dict, str, float]:
+    doc = synthetic(1000)
+    start = time.perf_counter()
+    text = html_report.render(doc)
+    return doc, text, time.perf_counter() - start
+
+
+def test_the_planted_failure_comes_first_with_its_stage_and_step(thousand):
+    _, text, _ = thousand
+    page = _parse(text)
+    failures = page.rows["failure-list"]
+    header, first, second = failures[0], failures[1], failures[2]
+    assert header[:4] == ["#", "case", "status", "first failing stage"]
+    assert first[1:4] == [PLANTED, "failed", "params, step 2"], first
+    assert second[1:3] == [CRASHED, "crashed"], second  # crashes after the failures
+    assert len(failures) == 3
+    # before the heat map in the page, and the heat map links to it
+    assert text.index(PLANTED) < text.index('id="heatmap"')
+    assert f'href="#f0">{PLANTED.split("/", 1)[1]}</a>' in text
+    # its details: the failing comparisons and its curves (two charts per metric)
+    details = text[text.index('id="f0"') : text.index('id="f1"')]
+    assert details.count('<svg width="250"') == 4 and "fc1.weight" in details
+
+
+def test_the_counts_are_right(thousand):
+    doc, text, _ = thousand
+    page = _parse(text)
+    counts = {s: int(page.by_id[f"n-{s}"]) for s in ("total", *html_report.STATUSES)}
+    assert counts == {"total": 1000, "passed": 980, "failed": 1, "unsupported": 18, "crashed": 1}
+    assert counts["total"] == sum(doc["summary"].values())
+    assert {s: counts[s] for s in html_report.STATUSES} == doc["summary"]
+    per_impl = {row[0]: row[1:] for row in page.rows["per-impl"][1:]}
+    assert per_impl["fsdp_lite"][:5] == ["432", "430", "1", "0", "1"]
+    assert per_impl["torch_fsdp1"][:5] == ["136", "118", "0", "18", "0"]
+    assert "1 failed, 1 crashed of 1000" in "".join(page.text)  # the title and the heading
+
+
+def test_nothing_leaves_the_file(thousand):
+    _, text, _ = thousand
+    page = _parse(text)
+    assert page.links, "the page links its own sections"
+    assert all(link.startswith("#") for link in page.links), [
+        x for x in page.links if not x.startswith("#")
+    ][:5]
+    assert "http://" not in text and "https://" not in text
+    assert "<link" not in text and "@import" not in text and "<script src" not in text
+
+
+def test_size_bound(thousand):
+    doc, text, seconds = thousand
+    size = len(text.encode())
+    print(
+        f"\n1,000 cases: HTML {size / 1024:.0f} KiB (JSON {len(json.dumps(doc)) / 1024:.0f} KiB), rendered in {seconds:.2f} s"
+    )
+    assert size < SIZE_BOUND
+    assert seconds < 10
+    page = _parse(text)
+    rows = page.rows["heatmap"]
+    assert len(rows) == 2 + 432  # two header rows, a row per case name less its implementation
+    assert sum(len(r) - 1 for r in rows[2:]) == 432 * len(IMPLS) * len(STAGES) * 2
+
+
+def test_the_diff_view_names_the_regression():
+    old, new = synthetic(300, planted=False), synthetic(300)
+    page = _parse(html_report.render(new, old, "old.json"))
+    assert page.by_id["n-regressions"] == str(len([r for r in page.rows["regressions"][1:]]))
+    assert {row[0] for row in page.rows["regressions"][1:]} == {PLANTED}
+    assert page.rows["status-changes"][1] == [PLANTED, "passed", "failed"]
+    assert "old.json" in page.by_id["comparison"]
+
+
+def test_rendered_from_a_saved_report_or_events_file(tmp_path):
+    doc = synthetic(50)
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    # the events file of the same run, as rank 0 and the launcher write it
+    lines = [
+        {
+            "event": "run",
+            "cases": [c["name"] for c in doc["cases"]],
+            "notes": [],
+            "meta": {"world_size": 2},
+        }
+    ]
+    for i, c in enumerate(doc["cases"]):
+        fields = {f.name: c[f.name] for f in dataclasses.fields(Case)}
+        lines.append(
+            {"event": "start", "index": i, "case": c["name"], "fields": fields, "time": 0.0}
+        )
+        if c["status"] == "crashed":
+            lines.append(
+                {
+                    "event": "crashed",
+                    "index": i,
+                    "case": c["name"],
+                    "crash": {**c["crash"], "case_seconds": 0.1},
+                }
+            )
+        else:
+            lines.append({"event": "case", "index": i, **c})
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for source in ("r.json", "r.jsonl"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "conformance.html", source, "-o", f"{source}.html"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        page = _parse((tmp_path / f"{source}.html").read_text())
+        assert page.rows["failure-list"][1][1:4] == [
+            CRASHED,
+            "crashed",
+            "rank died after step 2, comparing grads",
+        ]
+        assert int(page.by_id["n-total"]) == 50
+
+
+@pytest.mark.slow
+def test_a_run_with_a_planted_bug(tmp_path):
+    """The suite itself, three cases of three implementations, the planted adapter's failing."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    args = ["--impl", "scripts.conformance_html_demo:PlantedFsdpLite", "torch_fsdp2", "torch_fsdp1"]
+    args += [
+        "--only",
+        "*/FULL_SHARD/fp32/plain/lm_untied/*",
+        "--json",
+        "r.json",
+        "--html",
+        "r.html",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "conformance", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == report.EXIT_FAILED, proc.stdout[-3000:] + proc.stderr[-3000:]
+    page = _parse((tmp_path / "r.html").read_text())
+    name = "fsdp_lite_planted/FULL_SHARD/fp32/plain/lm_untied/ws2"
+    assert page.rows["failure-list"][1][1:4] == [name, "failed", "params, step 2"]
+    assert {s: page.by_id[f"n-{s}"] for s in ("total", "passed", "failed")} == {
+        "total": "3", "passed": "2", "failed": "1",
+    }  # fmt: skip
+    doc = json.loads((tmp_path / "r.json").read_text())
+    curves = {c["name"]: c["curves"] for c in doc["cases"]}
+    # the planted bug bends the curves from step 3 on; the native FSDPs follow DDP exactly
+    planted = curves[name]["loss"]
+    assert planted["impl"][:2] == planted["ddp"][:2] and planted["impl"][2] != planted["ddp"][2]
+    native = curves["torch_fsdp2/FULL_SHARD/fp32/plain/lm_untied/ws2"]["loss"]
+    assert native["impl"] == native["ddp"]
+    assert len(native["impl"]) == 4  # 3 steps and the step after the round trip
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(
+    _chromium() is None,
+    reason="no chromium on PATH (Debian's chromium package): the rendered page cannot be read",
+)
+def test_headless_chromium_shows_the_failure_and_the_counts(tmp_path, thousand):
+    doc, text, _ = thousand
+    page_path = tmp_path / "report.html"
+    page_path.write_text(text)
+    proc = subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page_path.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dom = _parse(proc.stdout)
+    assert dom.rows["failure-list"][1][1:4] == [PLANTED, "failed", "params, step 2"]
+    assert {s: int(dom.by_id[f"n-{s}"]) for s in html_report.STATUSES} == doc["summary"]
+    assert int(dom.by_id["n-total"]) == 1000
