@@ -36,11 +36,20 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from html import escape
+from html import escape as _escape
 from pathlib import Path
 from typing import Any
 
 __all__ = ["MAX_CURVES", "load", "main", "render"]
+
+
+def escape(text: str) -> str:
+    """``text`` for HTML, with the control characters HTML forbids (terminal colour escapes in an
+    exception message, a NUL) written as their escapes, as report.xml_text does for JUnit."""
+    from conformance.report import xml_text
+
+    return _escape(xml_text(text))
+
 
 STAGES = ("loss", "grads", "params", "optim_state", "state_dict")  # tolerances.STAGES
 REFS = (("vs_ddp", "ddp"), ("vs_single", "single"))

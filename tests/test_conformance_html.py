@@ -330,3 +330,16 @@ def test_headless_chromium_shows_the_failure_and_the_counts(tmp_path, thousand):
     assert dom.rows["failure-list"][1][1:4] == [PLANTED, "failed", "params, step 2"]
     assert {s: int(dom.by_id[f"n-{s}"]) for s in html_report.STATUSES} == doc["summary"]
     assert int(dom.by_id["n-total"]) == 1000
+
+
+def test_a_raised_case_and_non_finite_distances_render():
+    """The reports' hard cases (test_conformance_reports): a NaN against a number (an infinite
+    distance, "Infinity" in the JSON), a case that raised, control characters in the reasons."""
+    from tests.test_conformance_reports import _results
+
+    doc = json.loads(report.to_json(_results(), {"world_size": 2}))
+    text = html_report.render(doc)
+    rows = _parse(text).rows["failure-list"]
+    assert [row[3] for row in rows[1:]] == ["grads, step 1", "raised in step 1"]
+    assert rows[1][4] == "inf"  # as the terminal summary writes it
+    assert "\x1b" not in text and "\x00" not in text and "\\x1b[31mred" in text
