@@ -92,7 +92,11 @@ def test_a_run_killed_by_a_heap_error_is_recorded_and_kept(tmp_path):
     header, line = (tmp_path / "out" / "soak.tsv").read_text().splitlines()
     run, code, _seconds, summary, messages = line.split("\t")
     # The suite survives the dead rank: it reports the case as crashed and exits 4.
-    assert (run, code, summary) == ("1", "4", "1 cases: 0 passed, 0 failed, 0 unsupported, 1 crashed")
+    assert (run, code, summary) == (
+        "1",
+        "4",
+        "1 cases: 0 passed, 0 failed, 0 unsupported, 1 crashed",
+    )
     assert messages.split(" | ")[0] == "free(): invalid pointer", messages
     assert "Signal 6 (SIGABRT)" in messages.split(" | ")
     log = tmp_path / "out" / "run_1" / "conformance.log"

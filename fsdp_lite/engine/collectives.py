@@ -9,12 +9,15 @@ plain per-parameter versions the flat ones are tested against live in tests/test
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import pickle
+import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,8 @@ __all__ = [
     "grad_divide_factors",
     "reduce_scatter",
     "reduce_scatter_copy_in",
+    "open_sends",
+    "sends_group",
     "wait_each",
 ]
 
@@ -150,12 +155,67 @@ class Transport:
     @staticmethod
     def choose(group: dist.ProcessGroup, device: torch.device) -> Transport:
         """Sends where they were measured faster: gloo, CPU tensors (its point-to-point takes no
-        others), and for the reduce-scatter groups of 2."""
-        gloo_cpu = device.type == "cpu" and dist.get_backend(group) == "gloo"
+        others), and for the reduce-scatter groups of 2. Every rank of ``group`` must call it
+        (units are built on every rank, in order): see ``open_sends``."""
+        gloo_cpu = open_sends(group, device)
         return Transport(
             all_gather_by_sends=gloo_cpu,
             reduce_scatter_by_sends=gloo_cpu and dist.get_world_size(group) == 2,
         )
+
+
+# Note [A group for the sends]: fsdp_lite's sends and receives (Transport) do not travel on the
+# data group itself but on a gloo group of its own, one per data group, opened the first time a
+# unit of that group is built (``sends_group``) and never handed to anyone else. On the data
+# group, the user's, DTensor's and torch's functional collectives run too: a user's
+# ``dist.isend(..., tag=t)`` with a tag in fsdp_lite's range would pair with a unit's message
+# (the same ranks, the same tag: gloo cannot tell them apart), and every heap crash on record
+# (docs/engine.md, "Buffer lifetimes") died in gloo's tally of the data group's pending receives
+# after fsdp_lite's many-tagged traffic shared it with DTensor's collectives. The twin has the same
+# ranks, in the same order, and the data group's timeout; it meets its peers through the default
+# store under a prefix of the data group's name (the same on every member) and how many twins
+# this process opened under that name (a group name recurs after ``destroy_process_group``).
+_SENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # data group -> its twin
+_OPENED: collections.Counter[str] = collections.Counter()  # group name -> twins opened under it
+
+
+def open_sends(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group``'s gathers of tensors on ``device`` go by sends (gloo, CPU); if so, and
+    the group has peers, its ``sends_group`` is opened now, a rendezvous every rank of ``group``
+    must reach. Construction calls it right after the ranks agreed on the model, so that a rank
+    failing later cannot leave its peers waiting in a rendezvous that no check watches."""
+    gloo_cpu = device.type == "cpu" and dist.get_backend(group) == "gloo"
+    if gloo_cpu and group.size() > 1:
+        sends_group(group)
+    return gloo_cpu
+
+
+def sends_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The gloo group that carries ``group``'s sends (Note [A group for the sends]); opened on
+    first use, which every rank of ``group`` must reach (a rendezvous through the store)."""
+    twin = _SENDS.get(group)
+    if twin is None:
+        name = group.group_name
+        _OPENED[name] += 1
+        store = dist.PrefixStore(f"fsdp_lite/sends/{name}/{_OPENED[name]}/", _default_store())
+        twin = dist.ProcessGroupGloo(store, group.rank(), group.size(), _timeout_of(group))
+        _SENDS[group] = twin
+    return twin
+
+
+def _default_store() -> dist.Store:
+    # torch keeps the store the default group met through private (distributed_c10d, torch
+    # 2.4-2.13); tests/test_collectives.py::test_sends_travel_on_a_group_of_their_own fails if
+    # it moves.
+    return dist.distributed_c10d._get_default_store()
+
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta:
+    """``group``'s timeout, as its gloo backend holds it (torch's default where it won't say)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
 
 
 BACKEND = Transport()  # the backend's own all-gather and reduce-scatter, everywhere
@@ -258,11 +318,13 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, tag: int) -> dist.Work:
-    return dist.isend(tensor, dist.get_global_rank(group, peer), group=group, tag=tag)
+    """Send to ``peer`` (a rank of ``group``) on the group's ``sends_group``."""
+    return sends_group(group).send([tensor], peer, tag)
 
 
 def _irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, tag: int) -> dist.Work:
-    return dist.irecv(tensor, dist.get_global_rank(group, peer), group=group, tag=tag)
+    """Receive from ``peer`` (a rank of ``group``) on the group's ``sends_group``."""
+    return sends_group(group).recv([tensor], peer, tag)
 
 
 def all_gather_copy_out(

@@ -591,6 +591,8 @@ def _check_same_model_across_ranks(module: nn.Module, config: UnitConfig) -> Non
     mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
     for group in _data_parallel_groups(config):
         _compare_across(mine, group)
+    # Now, while the ranks are known to be together (collectives.py, Note [A group for the sends]).
+    collectives.open_sends(config.group, config.device)
 
 
 def _data_parallel_groups(config: UnitConfig) -> list[dist.ProcessGroup]:
