@@ -682,6 +682,11 @@ def load(path: str | Path) -> dict[str, Any]:
     except ValueError:
         doc = None
     if isinstance(doc, dict) and "cases" in doc:
+        if "schema_version" not in doc:  # --world-sizes' or --self-test's report
+            raise ValueError(
+                f"{path}: not a report of python -m conformance --json (schema "
+                f"{doc.get('schema', '?')}); --world-sizes and --self-test have their own"
+            )
         return doc
     from conformance import report
     from conformance.cli import _assemble
@@ -714,7 +719,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="as python -m conformance's",
     )
     args = parser.parse_args(argv)
-    doc = load(args.results)
+    try:
+        doc = load(args.results)
+    except ValueError as e:
+        parser.error(str(e))
     baseline = None
     if args.compare_to is not None:
         from conformance.baseline import load_report
