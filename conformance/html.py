@@ -702,6 +702,25 @@ def load(path: str | Path) -> dict[str, Any]:
     return json.loads(report.to_json(_assemble(state), meta))
 
 
+def select(doc: dict[str, Any], patterns: list[str]) -> dict[str, Any]:
+    """``doc`` with only the cases whose name matches one of ``patterns`` (matrix.select's
+    rule), its summary recounted and the patterns noted."""
+    from types import SimpleNamespace
+
+    from conformance import matrix
+
+    named = [SimpleNamespace(name=c["name"]) for c in doc["cases"]]
+    chosen = {n.name for n in matrix.select(named, patterns)}
+    cases = [c for c in doc["cases"] if c["name"] in chosen]
+    counts = _counts(cases)
+    return {
+        **doc,
+        "rendered_only": patterns,
+        "summary": {s: counts[s] for s in STATUSES},
+        "cases": cases,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m conformance.html",
@@ -711,6 +730,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("results", help="a --json report or a --jsonl events file")
     parser.add_argument("-o", "--output", default="report.html", help="default report.html")
     parser.add_argument("--compare-to", metavar="OLD", help="an older --json report: the diff view")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="only the cases whose name matches (a glob, else a substring; repeatable), as "
+        "python -m conformance selects them; the counts are then the selection's",
+    )
     parser.add_argument(
         "--regression-factor",
         type=float,
@@ -723,6 +750,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = load(args.results)
     except ValueError as e:
         parser.error(str(e))
+    if args.only:
+        doc = select(doc, args.only)
     baseline = None
     if args.compare_to is not None:
         from conformance.baseline import load_report

@@ -343,3 +343,11 @@ def test_a_raised_case_and_non_finite_distances_render():
     assert [row[3] for row in rows[1:]] == ["grads, step 1", "raised in step 1"]
     assert rows[1][4] == "inf"  # as the terminal summary writes it
     assert "\x1b" not in text and "\x00" not in text and "\\x1b[31mred" in text
+
+
+def test_only_renders_a_selection_with_its_own_counts():
+    doc = html_report.select(synthetic(200), ["*/fp32/*", "no_sync"])
+    assert all("/fp32/" in c["name"] or "no_sync" in c["name"] for c in doc["cases"])
+    page = _parse(html_report.render(doc))
+    assert int(page.by_id["n-total"]) == len(doc["cases"]) == sum(doc["summary"].values()) > 0
+    assert "rendered_only" in page.by_id["meta"]
