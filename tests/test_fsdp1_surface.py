@@ -117,11 +117,44 @@ def check_ignored_modules_refuses_parameters(rank: int, world_size: int) -> None
             cls(model, ignored_modules=[model[0]], ignored_states=[model[2].weight], **extra)
 
 
+def check_summon_or_apply_out_of_idle(rank: int, world_size: int) -> None:
+    """``apply`` inside ``summon_full_params`` (torch's ValueError, which its test_fsdp_apply
+    matches), a summon inside a summon or inside forward (torch 2.13's AssertionErrors): the same
+    class and words from both wrappers."""
+
+    class SummonsInForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, wrapper):
+            with type(wrapper).summon_full_params(wrapper):
+                pass
+            return self.lin(x)
+
+    for cls, extra in (
+        (fsdp_lite.FullyShardedDataParallel, {}),
+        (native.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+    ):
+        model = cls(_net(), **extra)
+        with cls.summon_full_params(model):
+            with pytest.raises(ValueError, match="expected to be in states"):
+                model.apply(lambda m: None)
+            with pytest.raises(AssertionError, match="when already unsharding parameters"):
+                with cls.summon_full_params(model):
+                    pass
+        model.apply(lambda m: None)  # idle again afterwards
+        inner = cls(SummonsInForward(), **extra)
+        with pytest.raises(AssertionError, match="during forward/backward"):
+            inner(torch.ones(2, 4), inner)
+
+
 CHECKS = {
     "public_attributes": check_public_attributes,
     "clip_grad_norm_dtype_and_warning": check_clip_grad_norm_dtype_and_warning,
     "device_id_as_string": check_device_id_as_string,
     "ignored_modules_refuses_parameters": check_ignored_modules_refuses_parameters,
+    "summon_or_apply_out_of_idle": check_summon_or_apply_out_of_idle,
 }
 
 

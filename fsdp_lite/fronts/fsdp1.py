@@ -383,7 +383,7 @@ class FullyShardedModule(nn.Module):
         wrappers = FullyShardedModule.fsdp_modules(module, root_only=not recurse)
         for w in wrappers:
             w._lazy_init()
-            w._unit.assert_state(TrainingState.IDLE)
+            _check_summon_allowed(w._unit)
         with contextlib.ExitStack() as stack:
             for w in wrappers:
                 _summon_unit(w._unit, stack, writeback, rank0_only, offload_to_cpu, with_grads)
@@ -391,6 +391,7 @@ class FullyShardedModule(nn.Module):
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedModule:
         """``nn.Module.apply`` on full parameters, so initializers see whole tensors."""
+        _check_apply_allowed(self._unit)
         with FullyShardedModule.summon_full_params(self, recurse=False, writeback=True):
             return super().apply(fn)
 
@@ -578,6 +579,37 @@ def _add_wrapper_prefix(state_dict, prefix, *args) -> None:
 
 
 # ---- summon_full_params / clip_grad_norm_ helpers ----------------------------------------------
+
+
+# torch FSDP1's names for a unit's training state, as its ValueError prints them.
+_TORCH_STATE_NAMES = {
+    TrainingState.FORWARD: "FORWARD_BACKWARD",
+    TrainingState.BACKWARD: "FORWARD_BACKWARD",
+    TrainingState.SUMMON: "SUMMON_FULL_PARAMS",
+}
+
+
+def _check_summon_allowed(unit: ShardedUnit) -> None:
+    """summon_full_params in forward, backward or another summon: torch FSDP1's errors and words
+    (``_unshard_params_for_summon``), where the engine's check said it otherwise."""
+    if unit.training_state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+        raise AssertionError("Cannot manually unshard parameters during forward/backward")
+    if unit.training_state is TrainingState.SUMMON:
+        raise AssertionError(
+            "Cannot manually unshard parameters when already unsharding parameters"
+        )
+    unit.assert_state(TrainingState.IDLE)
+
+
+def _check_apply_allowed(unit: ShardedUnit) -> None:
+    """``apply`` out of the idle state: torch FSDP1's ``ValueError`` and words (its
+    ``_assert_state``; torch's test_fsdp_apply matches "expected to be in states")."""
+    if unit.training_state is not TrainingState.IDLE:
+        name = _TORCH_STATE_NAMES.get(unit.training_state, unit.training_state.name)
+        raise ValueError(
+            "expected to be in states [<TrainingState.IDLE: 1>] but current state is "
+            f"TrainingState.{name} (unit {unit.name or '<root>'!r})"
+        )
 
 
 def _summon_unit(
