@@ -23,12 +23,18 @@ What changes, and nothing else (the import splitting is switch_torch_fsdp2_tests
    ``_test_fsdp_parity``) and call ``FSDP.summon_full_params`` at run time, to fsdp_lite's
    ``FullyShardedDataParallel``; and ``common_fsdp.fully_shard`` to fsdp_lite's. Nothing else of
    torch's test utilities or reference models changes.
+3. One more line imports ``torch_fsdp2_tests_compat/torch_fsdp1_tests_internals.py``: the private
+   helper of torch's FSDP1 that ``common_fsdp`` calls on the wrapper (``_assert_state``, after
+   ``_train_for_several_steps``), checking the same training state on fsdp_lite's unit; it
+   compares no number (see that file).
 
 ``--native-for-cpu`` writes instead the native copy for torch 2.13 on a CPU-only machine from a
 test file of the 2023 layout (``CUDAInitMode``, ``.cuda()``): the renames torch itself made since
 (``CUDAInitMode`` -> ``DEVICEInitMode``, ``cuda_init_mode`` -> ``device_init_mode``,
-``_maybe_cuda`` -> ``_move_to_device``, ``_FSDPPolicy`` -> ``_Policy``) and ``cuda`` -> ``cpu``
-(``.cuda()``, ``"cuda"``, ``torch.cuda.device_count()`` reads 2). Both runs, native and switched,
+``_maybe_cuda`` -> ``_move_to_device``, ``_FSDPPolicy`` -> ``_Policy``, ``_gather_state_dict`` from
+``torch.distributed._state_dict_utils``) and ``cuda`` -> ``cpu``
+(``.cuda()``, ``"cuda"``, ``torch.cuda.device_count()`` reads 2; DDP's ``device_ids=[rank]``
+and ``output_device=rank`` are None, as DDP takes them for a CPU module). Both runs, native and switched,
 then see the same text. The script contains no test code of torch's; it prints what it changed.
 """
 
@@ -86,9 +92,14 @@ import torch.testing._internal.common_fsdp as _common_fsdp_switch
 
 _common_fsdp_switch.FSDP = _fsdp_lite_switch.FullyShardedDataParallel
 _common_fsdp_switch.fully_shard = _fsdp_lite_switch.fully_shard
+# torch's private helpers that its test utilities call on the wrapper (no number compared):
+import torch_fsdp1_tests_internals  # noqa: E402,F401
 # --- end of switch
 """
-BINDING_LOG = "common_fsdp.FSDP and common_fsdp.fully_shard bound to fsdp_lite's"
+BINDING_LOG = (
+    "common_fsdp.FSDP and common_fsdp.fully_shard bound to fsdp_lite's; "
+    "torch_fsdp1_tests_internals gives the wrapper torch's _assert_state"
+)
 
 # torch's renames since the 2023 layout, then cuda -> cpu; (pattern, replacement), in order.
 NATIVE_FOR_CPU = [
@@ -97,13 +108,21 @@ NATIVE_FOR_CPU = [
     (r"\bcuda_init_mode\b", "device_init_mode"),
     (r"\b_maybe_cuda\b", "_move_to_device"),
     (r"\b_FSDPPolicy\b", "_Policy"),
+    (
+        r"torch\.distributed\.fsdp\._shard_utils import _gather_state_dict",
+        "torch.distributed._state_dict_utils import _gather_state_dict",
+    ),
     (r"torch\.cuda\.device_count\(\)", "2"),
     (r"torch\.cuda\.is_available\(\)", "True"),
     (r"torch\.cuda\.set_device\([^()]*\)", "None"),
-    (r"torch\.cuda\.current_device\(\)", "0"),
+    (r'torch\.device\("cuda", torch\.cuda\.current_device\(\)\)', 'torch.device("cpu", 0)'),
+    (r"torch\.cuda\.current_device\(\)", 'torch.device("cpu")'),  # a device, as FSDP takes it
     (r"\.cuda\(\)", ".cpu()"),
     (r'"cuda"', '"cpu"'),
     (r'backend="nccl"', 'backend="gloo"'),
+    # DDP on a CPU module takes no device ids (the reference model in the parity tests)
+    (r"\bdevice_ids=\[[^\[\]]*\]", "device_ids=None"),
+    (r"\boutput_device=(self\.)?rank\b", "output_device=None"),
 ]
 
 
