@@ -56,6 +56,25 @@ def test_a_users_message_on_a_units_tag_reaches_the_user_and_the_gather_the_unit
         assert seen["users_message"] == seen["expected"], seen
 
 
+def _sends_are_dispatched(twin: dist.ProcessGroup, rank: int) -> list[str]:
+    """The c10d ops a dispatch mode sees of a send and a receive on ``twin``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                seen.append(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        works = [twin.send([torch.ones(2)], 1 - rank, 3), twin.recv([torch.empty(2)], 1 - rank, 3)]
+        for work in works:
+            work.wait()
+    return seen
+
+
 def _twins(rank: int, world_size: int) -> dict:
     group = dist.group.WORLD
     first = collectives.sends_group(group)
@@ -63,11 +82,12 @@ def _twins(rank: int, world_size: int) -> dict:
     return {
         "cached": collectives.sends_group(group) is first,
         "own_per_group": collectives.sends_group(subgroup) is not first,
-        # torch's private name the twins meet through (collectives._default_store), pinned.
+        # torch's private names the twins are made with (collectives.py), pinned here.
         "store": isinstance(collectives._default_store(), dist.Store),
+        "dispatched": _sends_are_dispatched(first, rank),
         "timeouts": (
             collectives._timeout_of(group).total_seconds(),
-            first.options._timeout.total_seconds(),
+            collectives._timeout_of(first).total_seconds(),
         ),
     }
 
@@ -75,5 +95,6 @@ def _twins(rank: int, world_size: int) -> dict:
 def test_one_twin_per_data_group_with_the_groups_timeout(tmp_path):
     for seen in run_ranks(_twins, 2, tmp_path, timeout=60):
         assert seen["cached"] and seen["own_per_group"] and seen["store"], seen
+        assert seen["dispatched"] == ["send", "recv_"], seen  # as profilers and modes see them
         # tests/ranks.py gives the default group a timeout of its own (60 s here): the twin's too.
         assert seen["timeouts"] == (60.0, 60.0), seen
