@@ -636,4 +636,33 @@ CATALOG: tuple[Bug, ...] = (
         ),
         first=("*/FULL_SHARD/fp32/checkpoint_outside_unit/*",),
     ),
+    # ---- construction paths: apply, summon writeback, policy overrides ---------------------------
+    _bug(
+        "summon_writeback_only_for_rank0",
+        "construction paths",
+        "summon_full_params writes the full parameters back only under rank0_only (a condition "
+        "mixed up): model.apply(init_fn) after wrapping changes nothing",
+        "pytorch/pytorch#107081 (summon_full_params(writeback=True) leaves the parameters "
+        "unchanged); pytorch/pytorch#151223 (writeback fails under NO_SHARD)",
+        P(
+            "fronts/fsdp1.py",
+            "    if writeback:  # registered last, so it runs first: before the modules are restored\n",
+            "    if writeback and rank0_only:  # planted\n",
+        ),
+        first=("*/FULL_SHARD/fp32/apply/*", "*/FULL_SHARD/fp32/summon_writeback/*"),
+    ),
+    _bug(
+        "strategy_override_resets_precision",
+        "construction paths",
+        "a policy's sharding_strategy override also takes the override's mixed_precision, which "
+        "it does not set: those units compute in full precision under a bf16 root",
+        "",
+        P(
+            "fronts/construct.py",
+            "        changes.update(strategy=strategy, rules=STRATEGY_RULES[strategy])\n",
+            "        changes.update(strategy=strategy, rules=STRATEGY_RULES[strategy], "
+            "precision=resolve(kw['mixed_precision']))  # planted\n",
+        ),
+        first=("*/FULL_SHARD/bf16/policy_override/*",),
+    ),
 )

@@ -248,6 +248,29 @@ FEATURES = {
             micro_batches=2,
             wrap_variant="keep_after_backward",
         ),
+        Feature(
+            "apply",
+            "every parameter perturbed before wrapping; FSDP1's model.apply(fn) after wrapping puts "
+            "the initial values back (apply runs fn on full parameters and writes them back)",
+            wrap_variant="apply",
+        ),
+        Feature(
+            "summon_writeback",
+            "every parameter perturbed before wrapping; restored inside FSDP1's "
+            "summon_full_params(writeback=True)",
+            wrap_variant="summon_writeback",
+        ),
+        Feature(
+            "policy_override",
+            "FSDP1's CustomPolicy wraps the units with a sharding strategy of their own (FULL_SHARD "
+            "and SHARD_GRAD_OP swapped, NO_SHARD's units FULL_SHARD)",
+            wrap_variant="policy_override",
+        ),
+        Feature(
+            "mixed_reshard",
+            "FSDP2's units with reshard_after_forward the opposite of the root's",
+            wrap_variant="mixed_reshard",
+        ),
         # The offload features below are EXTRA_FEATURES: run only for implementations that list
         # them (Adapter.features), since torch FSDP has no equivalent of any of them.
         Feature(

@@ -1,6 +1,7 @@
 """The construction paths and FSDP2 setters in the default matrix (docs/conformance.md, "The
 matrix"): each trains as DDP does on both of fsdp_lite's fronts, and an API family without the
-feature reports it unsupported, never passed."""
+feature reports it unsupported, never passed. The planted bugs these features catch are in the
+self-test's catalog ("construction paths")."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ from pathlib import Path
 from conformance.matrix import DEFAULT_MATRIX, FEATURES
 
 REPO = Path(__file__).resolve().parents[1]
-SURFACE = ("sync_module_states", "meta_init", "shard_dim1", "keep_after_backward")
+SURFACE = (
+    "sync_module_states",
+    "meta_init",
+    "shard_dim1",
+    "keep_after_backward",
+    "apply",
+    "summon_writeback",
+    "policy_override",
+    "mixed_reshard",
+)
 
 
 def test_every_surface_feature_is_in_the_default_matrix():
@@ -39,9 +49,16 @@ def test_surface_features_train_as_ddp_on_both_fronts(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     cases = {c["name"]: c["status"] for c in json.loads(report.read_text())["cases"]}
     expected = {
-        # FSDP1's API: sync_module_states and meta init; FSDP2's: meta init and the two setters.
-        "fsdp_lite": {"sync_module_states", "meta_init"},
-        "fsdp_lite_fsdp2": {"meta_init", "shard_dim1", "keep_after_backward"},
+        # FSDP1's API: sync_module_states, meta init, apply, summon's writeback and a policy's
+        # per-unit override; FSDP2's: meta init, the two setters and per-unit reshard configs.
+        "fsdp_lite": {
+            "sync_module_states",
+            "meta_init",
+            "apply",
+            "summon_writeback",
+            "policy_override",
+        },
+        "fsdp_lite_fsdp2": {"meta_init", "shard_dim1", "keep_after_backward", "mixed_reshard"},
     }
     for impl, supported in expected.items():
         for feature in SURFACE:

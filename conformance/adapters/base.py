@@ -121,8 +121,15 @@ class WrapRequest:
 
 
 # The features' construction paths and setters (matrix.Feature.wrap_variant) each API family has.
-FSDP1_VARIANTS = ("sync_module_states", "meta_init")
-FSDP2_VARIANTS = ("meta_init", "shard_dim1", "keep_after_backward")
+FSDP1_VARIANTS = ("sync_module_states", "meta_init", "apply", "summon_writeback", "policy_override")
+FSDP2_VARIANTS = ("meta_init", "shard_dim1", "keep_after_backward", "mixed_reshard")
+# policy_override: the units' sharding strategy, overridden per unit by a CustomPolicy; the same
+# reduction at every world size the matrix runs (only when parameters are gathered changes).
+OVERRIDDEN_STRATEGY = {
+    "FULL_SHARD": "SHARD_GRAD_OP",
+    "SHARD_GRAD_OP": "FULL_SHARD",
+    "NO_SHARD": "FULL_SHARD",
+}
 
 
 def wrap_variant(case: Case) -> str | None:
@@ -167,6 +174,30 @@ def materialize(module: nn.Module, prefix: str, values: dict[str, torch.Tensor])
                 ).to_local()
                 t = t.to_local()
             t.copy_(value)
+
+
+def perturb(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+    """Add 1 to every floating-point parameter of ``model`` (not yet wrapped); returns the values
+    before, by name, and each module's name prefix, for ``restore`` to put them back through
+    the API under test: if that path loses the write, the case trains from other values."""
+    values = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    prefixes = {id(m): f"{n}." if n else "" for n, m in model.named_modules()}
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.add_(1.0)
+    return values, prefixes
+
+
+def restore(values: dict[str, torch.Tensor], prefixes: dict[int, str]) -> Callable:
+    """``fn(module)`` putting ``perturb``'s values back into ``module``'s own tensors (modules
+    of the unwrapped model only: wrappers are skipped), for ``apply`` or a summon's writeback."""
+
+    def fn(module: nn.Module) -> None:
+        if id(module) in prefixes:
+            materialize(module, prefixes[id(module)], values)
+
+    return fn
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -424,15 +455,32 @@ class Fsdp1ApiAdapter(Adapter):
                 materialize(module, prefixes[id(module)], values)
 
             kwargs["param_init_fn"] = param_init_fn
-        return api.FullyShardedDataParallel(
+        elif variant in ("apply", "summon_writeback"):
+            fn = restore(*perturb(model))
+        auto_wrap_policy = functools.partial(policy, lambda_fn=request.unit_policy())
+        if variant == "policy_override":
+            is_unit = request.unit_policy()
+            other = {
+                "sharding_strategy": api.ShardingStrategy[OVERRIDDEN_STRATEGY[request.strategy]]
+            }
+            custom = importlib.import_module(f"{self.api}.wrap").CustomPolicy
+            auto_wrap_policy = custom(lambda module: other if is_unit(module) else False)
+        wrapped = api.FullyShardedDataParallel(
             model,
             sharding_strategy=api.ShardingStrategy[request.strategy],
-            auto_wrap_policy=functools.partial(policy, lambda_fn=request.unit_policy()),
+            auto_wrap_policy=auto_wrap_policy,
             device_id=request.device,
             forward_prefetch=request.forward_prefetch,
             use_orig_params=True,
             **kwargs,
         )
+        if variant == "apply":  # FSDP1's apply runs fn on full parameters and writes them back
+            wrapped.apply(fn)
+        elif variant == "summon_writeback":
+            with api.FullyShardedDataParallel.summon_full_params(wrapped, writeback=True):
+                for module in wrapped.modules():
+                    fn(module)
+        return wrapped
 
     def make_grad_scaler(self, model: nn.Module, request: WrapRequest, init_scale: float) -> Any:
         scaler = importlib.import_module(f"{self.api}.sharded_grad_scaler").ShardedGradScaler

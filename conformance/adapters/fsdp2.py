@@ -101,8 +101,12 @@ class TorchFSDP2Adapter(Adapter):
 
             kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 2 else None
         values = to_meta(model) if variant == "meta_init" else None
+        # mixed_reshard: the units gather after forward as the root does not (per-unit configs).
+        unit_kwargs = dict(kwargs)
+        if variant == "mixed_reshard":
+            unit_kwargs["reshard_after_forward"] = not kwargs["reshard_after_forward"]
         for unit in request.units:
-            fully_shard(unit, **kwargs)
+            fully_shard(unit, **unit_kwargs)
         fully_shard(model, **kwargs)
         if values is not None:  # torchtitan's recipe: to_empty, then each rank inits its shards
             model.to_empty(device=request.device)
