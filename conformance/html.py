@@ -65,7 +65,7 @@ table{border-collapse:collapse}td,th{padding:1px 6px;text-align:left;vertical-al
 .t td,.t th{border:1px solid #ddd}.num{text-align:right;font-variant-numeric:tabular-nums}
 .counts span{display:inline-block;margin-right:1.2em;font-size:1.1em}
 .passed{color:#1a7f37}.failed{color:#cf222e}.unsupported{color:#777}.crashed{color:#8250df}
-details.case{border:1px solid #ddd;border-left:4px solid #cf222e;margin:.3em 0;padding:.2em .6em}
+details.case{color:#222;border:1px solid #ddd;border-left:4px solid #cf222e;margin:.3em 0;padding:.2em .6em}
 details.case.crashed{border-left-color:#8250df}details.case>summary{cursor:pointer}
 pre{background:#f6f8fa;padding:.5em;overflow:auto;max-height:24em;font-size:12px}
 .hm{font-size:11px}.hm td{padding:0;width:9px;height:11px;border:1px solid #fff}
@@ -195,6 +195,7 @@ def _svg(title: str, series: list[Series], steps: int, log: bool = False) -> str
     has_zero = log and any(y == -math.inf for pts, _, _ in lines for _, y in pts)
     if not finite and not has_zero:
         return ""
+    all_zero = has_zero and not finite  # every point bitwise: one line on the bottom, said so
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
     pad = (hi - lo) * 0.08 or abs(hi) * 0.01 or 1.0
     lo, hi = lo - pad, hi + pad
@@ -213,7 +214,7 @@ def _svg(title: str, series: list[Series], steps: int, log: bool = False) -> str
         f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-size="10" role="img"><title>{escape(title)}</title>',
         f'<text x="{left}" y="11">{escape(title)}</text>',
         f'<path d="M{left} {top}V{h - bottom}H{w - right}" fill="none" stroke="#999"/>',
-        f'<text x="{left - 3}" y="{top + 8}" text-anchor="end">{tick(hi)}</text>',
+        f'<text x="{left - 3}" y="{top + 8}" text-anchor="end">{"" if all_zero else tick(hi)}</text>',
         f'<text x="{left - 3}" y="{h - bottom}" text-anchor="end">'
         f"{'0' if has_zero else tick(lo)}</text>",
     ]
@@ -228,6 +229,10 @@ def _svg(title: str, series: list[Series], steps: int, log: bool = False) -> str
         path = " ".join(xy(s, y) for s, y in pts)
         out.append(
             f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="1.5"{dash_attr}/>'
+        )
+    if all_zero:
+        out.append(
+            f'<text x="{(left + w) / 2:.0f}" y="{h / 2:.0f}" text-anchor="middle">all 0</text>'
         )
     out.append("</svg>")
     return "".join(out)
@@ -400,7 +405,7 @@ def _failures(
         anchor = f"f{i}"
         where = _first_failure(c)
         rows.append(
-            f'<tr class="{c["status"]}"><td class="num">{i + 1}</td><td><a href="#{anchor}">{escape(c["name"])}</a></td>'
+            f'<tr><td class="num">{i + 1}</td><td><a href="#{anchor}">{escape(c["name"])}</a></td>'
             f'<td class="{c["status"]}">{c["status"]}</td><td class="first">{escape(where)}</td>'
             f'<td class="num">{_worst(c, "vs_ddp")}</td><td class="num">{_worst(c, "vs_single")}</td></tr>'
         )
