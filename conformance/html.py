@@ -66,7 +66,7 @@ table{border-collapse:collapse}td,th{padding:1px 6px;text-align:left;vertical-al
 .counts span{display:inline-block;margin-right:1.2em;font-size:1.1em}
 .passed{color:#1a7f37}.failed{color:#cf222e}.unsupported{color:#777}.crashed{color:#8250df}
 details.case{color:#222;border:1px solid #ddd;border-left:4px solid #cf222e;margin:.3em 0;padding:.2em .6em}
-details.case.crashed{border-left-color:#8250df}details.case>summary{cursor:pointer}
+details.case.crashed{border-left-color:#8250df}details.case.sel{border-left-color:#0969da}details.case>summary{cursor:pointer}
 pre{background:#f6f8fa;padding:.5em;overflow:auto;max-height:24em;font-size:12px}
 .hm{font-size:11px}.hm td{padding:0;width:9px;height:11px;border:1px solid #fff}
 .hm td.k{width:auto;padding:0 6px 0 0;white-space:nowrap;font-family:monospace;border:0}
@@ -396,10 +396,6 @@ def _failures(
     outside = doc.get("crashes_outside_cases") or []
     if not failing and not outside:
         return '<h2 id="failures">Failures</h2><p class="passed">No case failed or crashed.</p>'
-    impls = list(dict.fromkeys(c["impl"] for c in cases))
-    natives_of = {
-        impl: [i for i in impls if i.startswith("torch_") and i != impl] for impl in impls
-    }
     rows, details = [], []
     for i, c in enumerate(failing):
         anchor = f"f{i}"
@@ -415,16 +411,12 @@ def _failures(
         if c.get("traceback"):
             body.append(f"<pre>{escape(c['traceback'][-_TRACEBACK_CHARS:])}</pre>")
         if i < MAX_CURVES:
-            natives = [
-                by_name[n]
-                for n in (f"{impl}/{_rest(c['name'])}" for impl in natives_of[c["impl"]])
-                if n in by_name
-            ]
-            body.append(_curves(c, natives))
+            body.append(_curves(c, _natives(c, by_name)))
         else:
             body.append(
                 f'<p class="muted">Curves are drawn for the first {MAX_CURVES} failures; this '
-                "case's numbers are in the JSON report's <code>curves</code>.</p>"
+                "case's are in the JSON report's <code>curves</code>, or drawn by "
+                "<code>python -m conformance.html --curves NAME</code>.</p>"
             )
         details.append(
             f'<details class="case {c["status"]}" id="{anchor}"{" open" if i < _OPEN_FAILURES else ""}>'
@@ -446,6 +438,46 @@ def _failures(
         + "</table>"
         + "".join(details)
     )
+
+
+def _natives(case: dict[str, Any], by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same case run by every native torch FSDP (``torch_*``) of the run but its own."""
+    impls = dict.fromkeys(c["impl"] for c in by_name.values())
+    names = (f"{impl}/{_rest(case['name'])}" for impl in impls if impl.startswith("torch_"))
+    return [by_name[n] for n in names if n in by_name and n != case["name"]]
+
+
+def _selected(by_name: dict[str, dict[str, Any]], patterns: Sequence[str]) -> str:
+    """The curves of the cases ``patterns`` choose (``--curves``), whatever their status."""
+    if not patterns:
+        return ""
+    chosen = _matching(list(by_name.values()), patterns)
+    parts = []
+    for c in chosen[:MAX_CURVES]:
+        parts.append(
+            f'<details class="case sel"><summary><b class="{c["status"]}">{c["status"]}</b> '
+            f"<code>{escape(c['name'])}</code></summary>{_curves(c, _natives(c, by_name))}</details>"
+        )
+    more = len(chosen) - MAX_CURVES
+    if more > 0:
+        parts.append(
+            f'<p class="muted">{more} more cases match; drawn: the first {MAX_CURVES}.</p>'
+        )
+    shown = ", ".join(escape(p) for p in patterns)
+    return f'<h2 id="selected">Curves of the cases chosen ({shown}: {len(chosen)})</h2>' + "".join(
+        parts
+    )
+
+
+def _matching(cases: list[dict[str, Any]], patterns: Sequence[str]) -> list[dict[str, Any]]:
+    """The cases whose name matches one of ``patterns`` (matrix.select's rule), in order."""
+    from types import SimpleNamespace
+
+    from conformance import matrix
+
+    named = [SimpleNamespace(name=c["name"]) for c in cases]
+    chosen = {n.name for n in matrix.select(named, list(patterns))}
+    return [c for c in cases if c["name"] in chosen]
 
 
 def _comparison(doc: dict[str, Any], baseline: dict[str, Any] | None) -> str:
@@ -633,11 +665,13 @@ def render(
     baseline_path: str = "baseline",
     factor: float | None = None,
     source: str | None = None,
+    curves_for: Sequence[str] = (),
 ) -> str:
     """The HTML report of ``doc`` (a ``--json`` report as a dict). With ``baseline`` (an older
     report, from ``baseline_path``) and no ``comparison`` in ``doc``, compare the two as
     ``--compare-to`` does (baseline.compare_reports, ``factor`` default 10); either way the cases
-    whose status changed are listed."""
+    whose status changed are listed. ``curves_for``: patterns of cases to draw the curves of
+    too, passing ones included (``python -m conformance.html --curves``)."""
     if baseline is not None and "comparison" not in doc:
         from conformance.baseline import DEFAULT_FACTOR, compare_reports
 
@@ -666,6 +700,7 @@ def render(
         _summary(doc, cases),
         _failures(cases, by_name, doc),
         _comparison(doc, baseline),
+        _selected(by_name, curves_for),
         _heatmap(cases, changed),
         _unsupported(cases),
         _metadata(doc, source),
@@ -710,13 +745,7 @@ def load(path: str | Path) -> dict[str, Any]:
 def select(doc: dict[str, Any], patterns: list[str]) -> dict[str, Any]:
     """``doc`` with only the cases whose name matches one of ``patterns`` (matrix.select's
     rule), its summary recounted and the patterns noted."""
-    from types import SimpleNamespace
-
-    from conformance import matrix
-
-    named = [SimpleNamespace(name=c["name"]) for c in doc["cases"]]
-    chosen = {n.name for n in matrix.select(named, patterns)}
-    cases = [c for c in doc["cases"] if c["name"] in chosen]
+    cases = _matching(doc["cases"], patterns)
     counts = _counts(cases)
     return {
         **doc,
@@ -744,6 +773,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python -m conformance selects them; the counts are then the selection's",
     )
     parser.add_argument(
+        "--curves",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="draw the loss and gradient-norm curves of the cases whose name matches too, "
+        f"passing ones included (repeatable; at most {MAX_CURVES})",
+    )
+    parser.add_argument(
         "--regression-factor",
         type=float,
         default=None,
@@ -763,7 +800,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         baseline = load_report(args.compare_to)
     html = render(
-        doc, baseline, str(args.compare_to), args.regression_factor, source=str(args.results)
+        doc,
+        baseline,
+        str(args.compare_to),
+        args.regression_factor,
+        source=str(args.results),
+        curves_for=args.curves,
     )
     Path(args.output).write_text(html, encoding="utf-8")
     print(f"{args.output}: {len(html) / 1024:.0f} KiB, {len(doc.get('cases', []))} cases")

@@ -351,3 +351,14 @@ def test_only_renders_a_selection_with_its_own_counts():
     page = _parse(html_report.render(doc))
     assert int(page.by_id["n-total"]) == len(doc["cases"]) == sum(doc["summary"].values()) > 0
     assert "rendered_only" in page.by_id["meta"]
+
+
+def test_curves_of_chosen_passing_cases_on_demand(thousand):
+    doc, _, _ = thousand
+    name = "fsdp_lite/FULL_SHARD/fp32/plain/mlp/ws2"
+    assert thousand[1].count('<svg width="250"') == 4  # the planted failure's only
+    text = html_report.render(doc, curves_for=[name])
+    section = text[text.index('id="selected"') : text.index('id="heatmap-title"')]
+    assert name in section and section.count('<svg width="250"') == 4
+    # against DDP, the single process and both native FSDPs' runs of the same case
+    assert all(run in section for run in ("ddp", "single", "torch_fsdp2", "torch_fsdp1"))
