@@ -87,7 +87,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from fsdp_lite.engine import offload
+from fsdp_lite.engine import local_step, offload
 
 if TYPE_CHECKING:  # disk.py builds on this file
     from fsdp_lite.engine.disk import DiskStore, ParamFiles
@@ -420,6 +420,8 @@ class Param:
             current = module._parameters[attr]
             if current is not self.sharded_param:  # _apply made a new Parameter (overwrite mode)
                 self.sharded_param = current
+                if isinstance(current, DTensor) and self.disk_files is None:
+                    local_step.track(self)
                 self.point_modules_to(current)
             return self._take_back(current, param_dtype)
 
@@ -537,6 +539,8 @@ class ShardedParam(Param):
             self._to_dtensor(self.sharded_flat[: self.local_numel]),
             requires_grad=self.requires_grad,
         )
+        if disk is None:  # disk.py's step hooks read the DTensors themselves
+            local_step.track(self)
         # In compute_dtype (MixedPrecision.param_dtype) when set: forward and backward run on it.
         # Meta init materializes the param inside this buffer already (construct._materialize), so
         # the unit is never allocated twice.
