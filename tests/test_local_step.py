@@ -164,6 +164,41 @@ def test_rprop_steps_locally_where_dtensor_cannot(tmp_path):
         torch.testing.assert_close(got, p.detach(), rtol=1e-6, atol=1e-7)
 
 
+def _grads_like_from_local(rank: int, world_size: int) -> list:
+    """Every gradient fsdp_lite lands (param.dtensor_like, torch's private DTensor constructor
+    and ``_spec``) against the DTensor ``from_local`` makes of the same local tensor."""
+    from fsdp_lite.engine.param import dtensor_like
+
+    model = _model()
+    model(torch.ones(2, 5)).sum().backward()
+    seen = []
+    for p in model.parameters():
+        made = DTensor.from_local(
+            p.grad.to_local(),
+            p.device_mesh,
+            p.placements,
+            run_check=False,
+            shape=p.shape,
+            stride=p.stride(),
+        )
+        local = p.grad._local_tensor
+        like = dtensor_like(p, local)
+        seen.append(
+            (
+                p.grad._spec == made._spec,
+                like._spec == made._spec,
+                like._local_tensor is local,
+                like.requires_grad,
+            )
+        )
+    return seen
+
+
+def test_gradients_are_dtensors_of_their_parameters_spec(tmp_path):
+    for seen in run_ranks(_grads_like_from_local, 2, tmp_path, timeout=60):
+        assert seen and all(s == (True, True, True, False) for s in seen), seen
+
+
 def test_only_torchs_elementwise_optimizers_by_exact_type():
     assert torch.optim.AdamW in local_step.ELEMENTWISE
     assert torch.optim.LBFGS not in local_step.ELEMENTWISE  # reads whole tensors

@@ -94,6 +94,7 @@ if TYPE_CHECKING:  # disk.py builds on this file
 
 __all__ = [
     "Param",
+    "dtensor_like",
     "ReplicatedCopyParam",
     "ReplicatedParam",
     "ShardedParam",
@@ -290,6 +291,15 @@ class TensorParallel:
             sharded_mesh=DeviceMesh._concatenate([dp_mesh, tp_mesh]),
             sharded_placements=(dp_placement, *param.placements),
         )
+
+
+def dtensor_like(param: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor with ``param``'s spec around ``local`` (of its local shape, dtype and device),
+    made as torch FSDP2 makes its gradients: the spec is shared, not rebuilt, and no autograd
+    function runs (``from_local`` costs about as much as the rest of a unit's backward on the
+    host, scripts/bench_host_overhead.py). DTensor's constructor and ``_spec`` are torch's
+    private names (torch 2.4-2.13), used here only; tests/test_local_step.py pins them."""
+    return DTensor(local, param._spec, requires_grad=False)
 
 
 def refuse_all_gather_extension(tensor: torch.Tensor, fqn: str) -> None:
@@ -695,7 +705,10 @@ class ShardedParam(Param):
             local = local.to(self.sharded_flat.dtype)
         elif local.dtype != self.sharded_flat.dtype:
             self.sharded_param.grad_dtype = None  # torch refuses a grad of another dtype otherwise
-        grad = self._to_dtensor(local)
+        if local.dtype == self.sharded_param.dtype:
+            grad = dtensor_like(self.sharded_param, local.view(self.local_shape))
+        else:
+            grad = self._to_dtensor(local)
         if self.sharded_param.grad is None:
             self.sharded_param.grad = grad
         else:
