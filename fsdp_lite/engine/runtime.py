@@ -279,6 +279,7 @@ class StepRuntime:
         # Reductions in flight, oldest first: each advances at the next landing (post_backward
         # of another unit, or finalize), so it overlaps that unit's gradient computation.
         self._in_flight: list[PendingReduce] = []
+        self._keep_in_flight: int | None = None  # this backward's max reductions in flight - 1
         # Units whose backwards left gradients unreduced (no gradient sync), for
         # reduce_after_backward.
         self._unreduced: set[ShardedUnit] = set()
@@ -459,8 +460,9 @@ class StepRuntime:
         ``UnitSettings.reductions_in_flight`` at K, leave the newest K - 1 in flight (more memory,
         a collective that may take longer than a unit's backward no longer waited on there).
         """
-        keep = max(u.settings.reductions_in_flight for u in self.units) - 1
-        self._advance_in_flight(keep)
+        if self._keep_in_flight is None:  # once per backward: the units' settings are fixed
+            self._keep_in_flight = max(u.settings.reductions_in_flight for u in self.units) - 1
+        self._advance_in_flight(self._keep_in_flight)
         self._start_reduce(unit)
 
     def _start_reduce(self, unit: ShardedUnit) -> None:
@@ -509,6 +511,7 @@ class StepRuntime:
             unit.reshard_after_backward()
             unit.end_of_backward()
         self._backward.clear()
+        self._keep_in_flight = None
         self._callback_queued = False
         if all(unit.settings.is_last_backward for unit in self.units):
             self._recording_order = False
@@ -533,6 +536,7 @@ class StepRuntime:
         the failed step had not landed are dropped, as torch FSDP2's ``reset_iter_state`` does.
         No collective is issued, so ranks that failed alike stay in step."""
         in_flight, self._in_flight = self._in_flight, []
+        self._keep_in_flight = None
         for pending in in_flight:
             pending.unit.drop_reduce(pending)
         for unit in self.units:

@@ -99,6 +99,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from types import FrameType
@@ -703,14 +704,20 @@ class OrderCheck(Observer):
 
     def __init__(self) -> None:
         self._logs: dict[tuple[int, ...], OrderLog] = {}
+        # group -> its log: asking c10d for a group's ranks costs more than the rest of logging
+        # a collective (scripts/bench_host_overhead.py), and every unit asks at each collective.
+        self._by_group: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._helper = _Helper(self)
 
     def log_for(self, group: dist.ProcessGroup) -> OrderLog:
         """This process's log of ``group`` (see the module docstring for why it is process-wide)."""
-        ranks = tuple(dist.get_process_group_ranks(group))
-        if ranks not in self._logs:
-            self._logs[ranks] = OrderLog(ranks)
-        return self._logs[ranks]
+        log = self._by_group.get(group)
+        if log is None:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            if ranks not in self._logs:
+                self._logs[ranks] = OrderLog(ranks)
+            log = self._by_group[group] = self._logs[ranks]
+        return log
 
     def issued(self, op: Collective) -> None:
         stall = self.log_for(op.group).issued(op.step, op.kind, op.unit, op.phase, op.numel)
