@@ -93,6 +93,41 @@ def test_every_elementwise_optimizer_gives_the_bits_and_state_of_the_dtensor_ste
             assert all(checks.values()), (rank, name, checks)
 
 
+def _train_with_closure(optim_type: type, rank: int) -> tuple[list, bool]:
+    """Lightning's loop: forward, backward and a clip inside ``optimizer.step(closure)``."""
+    model = _model()
+    optim = optim_type(model.parameters(), lr=1e-2)
+    seen = []
+
+    def closure(x: torch.Tensor) -> torch.Tensor:
+        optim.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        params = optim.param_groups[0]["params"]
+        seen.append(all(isinstance(p.grad, DTensor) for p in params))
+        torch.nn.utils.clip_grad_value_(params, 0.01)
+        return loss
+
+    for step in range(3):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * step + rank))
+        optim.step(lambda x=x: closure(x))
+    return [p.to_local().tolist() for p in model.parameters()], all(seen)
+
+
+def _with_closure(rank: int, world_size: int) -> dict:
+    reference = type("AdamW", (torch.optim.AdamW,), {})
+    return {
+        "local": _train_with_closure(torch.optim.AdamW, rank),
+        "dtensor": _train_with_closure(reference, rank),
+    }
+
+
+def test_a_step_with_a_closure_keeps_the_dtensors(tmp_path):
+    for seen in run_ranks(_with_closure, 2, tmp_path, timeout=60):
+        assert seen["local"][1] and seen["dtensor"][1], seen  # the closure saw DTensor grads
+        assert seen["local"][0] == seen["dtensor"][0], seen
+
+
 def _nobody_can_tell(rank: int, world_size: int) -> dict:
     model = _model()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -15,8 +15,9 @@ re-keys its state, wrapping per-element state the step created as DTensors with 
 spec (what ``zeros_like`` of the DTensor gives), and keeping the DTensors it had. The state's
 order is kept, so ``state_dict()`` is laid out as torch's.
 
-Only where that is exact and nobody can tell: the optimizer's type is exactly one of torch's
-elementwise optimizers (``ELEMENTWISE``: no subclass, whose step may read whole tensors), it has
+Only where that is exact and nobody can tell: no closure is passed (it would run forward and
+backward inside the step, on the param groups' parameters), the optimizer's type is exactly one
+of torch's elementwise optimizers (``ELEMENTWISE``: no subclass, whose step may read whole tensors), it has
 no hooks of its own (they would see local tensors), the group is not ``differentiable``, the
 gradient is a DTensor placed as its parameter, and the parameter is not on disk (disk.py's own
 step hooks read the DTensors). A step that raises leaves the swap to the next step's pre-hook,
@@ -88,7 +89,7 @@ def _steps_locally(optim: torch.optim.Optimizer) -> bool:
 
 def _before_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     restore(optim)  # a step that raised left its swap behind
-    if not _TRACKED or not _steps_locally(optim):
+    if not _TRACKED or not _steps_locally(optim) or _closure(args, kwargs) is not None:
         return
     locals_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, local)
     for group in optim.param_groups:
@@ -121,6 +122,14 @@ def _before_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             optim.register_state_dict_pre_hook(restore),
             optim.register_load_state_dict_pre_hook(lambda optim, state_dict: restore(optim)),
         )
+
+
+def _closure(args: tuple, kwargs: dict) -> Any:
+    """``step(closure)``'s closure: it runs forward and backward inside the step (Lightning
+    does), reading the param groups' parameters and making their gradients, so a step with one
+    keeps the DTensors."""
+    # torch hands the hooks step's own args: the optimizer first, then the closure if any.
+    return kwargs.get("closure", args[1] if len(args) > 1 else None)
 
 
 def _after_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -510,8 +510,8 @@ class StepRuntime:
         for unit in self.units:
             unit.reshard_after_backward()
             unit.end_of_backward()
-        self._backward.clear()
         self._keep_in_flight = None
+        self._backward.clear()
         self._callback_queued = False
         if all(unit.settings.is_last_backward for unit in self.units):
             self._recording_order = False
