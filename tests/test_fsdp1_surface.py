@@ -149,12 +149,44 @@ def check_summon_or_apply_out_of_idle(rank: int, world_size: int) -> None:
             inner(torch.ones(2, 4), inner)
 
 
+def check_ranks_ignoring_different_modules(rank: int, world_size: int) -> None:
+    """Ranks whose ignored modules differ (here in number) build and train, as with torch FSDP1
+    (its test_diff_ignored_modules_across_ranks); the parameters they share stay equal."""
+    torch.manual_seed(0)
+    extra = [nn.Linear(4, 4, bias=False) for _ in range(rank + 1)]
+    body = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
+    model = nn.Sequential(body, *extra)
+    wrapped = fsdp_lite.FullyShardedDataParallel(model, ignored_modules=extra)
+    optim = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    wrapped(x).sum().backward()
+    optim.step()
+    with fsdp_lite.FullyShardedDataParallel.summon_full_params(wrapped):
+        shared = torch.cat([p.detach().reshape(-1) for p in body.parameters()])
+    everyone = [torch.empty_like(shared) for _ in range(world_size)]
+    dist.all_gather(everyone, shared)
+    assert all(torch.equal(everyone[0], t) for t in everyone)
+
+
+def check_ignoring_the_wrapped_module_warns(rank: int, world_size: int) -> None:
+    """torch FSDP1's warning and words (its test_ignored_modules_invalid matches them)."""
+    for cls, extra in (
+        (fsdp_lite.FullyShardedDataParallel, {}),
+        (native.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+    ):
+        model = _net()
+        with pytest.warns(UserWarning, match="Trying to ignore the top-level module passed into"):
+            cls(model, ignored_modules=[model], **extra)
+
+
 CHECKS = {
     "public_attributes": check_public_attributes,
     "clip_grad_norm_dtype_and_warning": check_clip_grad_norm_dtype_and_warning,
     "device_id_as_string": check_device_id_as_string,
     "ignored_modules_refuses_parameters": check_ignored_modules_refuses_parameters,
     "summon_or_apply_out_of_idle": check_summon_or_apply_out_of_idle,
+    "ranks_ignoring_different_modules": check_ranks_ignoring_different_modules,
+    "ignoring_the_wrapped_module_warns": check_ignoring_the_wrapped_module_warns,
 }
 
 

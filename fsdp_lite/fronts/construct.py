@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -480,6 +481,13 @@ def _resolve_ignored(
                 )
             if owns_unit(item):
                 raise ValueError("an ignored module cannot be a FullyShardedModule")
+            if item is module:
+                warnings.warn(  # torch FSDP1's words (its test_fsdp_ignored_modules matches them)
+                    "Trying to ignore the top-level module passed into the FSDP constructor "
+                    "itself will result in all parameters being ignored and is not "
+                    f"well-supported: {module}",
+                    stacklevel=4,
+                )
             mods.add(item)
     for m in mods:
         params.update(m.parameters())
@@ -588,7 +596,13 @@ def _check_same_model_across_ranks(module: nn.Module, config: UnitConfig) -> Non
     Mismatched models would otherwise give collectives of different sizes, which hang or corrupt.
     """
 
-    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
+    # Ignored parameters are left out: they are neither sharded nor reduced, and ranks may ignore
+    # different modules (torch FSDP1 takes that; its test_diff_ignored_modules_across_ranks).
+    mine = [
+        (name, tuple(p.shape), str(p.dtype))
+        for name, p in module.named_parameters()
+        if p not in config.ignored_params
+    ]
     for group in _data_parallel_groups(config):
         _compare_across(mine, group)
     # Now, while the ranks are known to be together (collectives.py, Note [A group for the sends]).
