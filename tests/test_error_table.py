@@ -499,7 +499,6 @@ CASES: dict[str, Callable[[Ctx], object]] = {
     "ignored_both_ways": lambda c: FSDP(
         (m := c.mlp()), ignored_modules=[m.fc1], ignored_states=[m.fc2.weight]
     ),
-    "ignored_module_not_submodule": lambda c: FSDP(c.mlp(), ignored_modules=[nn.Linear(2, 2)]),
     "ignored_wrapped_module": _ignore_a_wrapped_child,
     "foreign_config_field": lambda c: FSDP(c.mlp(), mixed_precision=_Foreign()),
     "module_wrap_policy_not_a_set": lambda c: ModuleWrapPolicy(nn.Linear),

@@ -179,6 +179,21 @@ def check_ignoring_the_wrapped_module_warns(rank: int, world_size: int) -> None:
             cls(model, ignored_modules=[model], **extra)
 
 
+def check_ignored_module_outside_the_wrapped_one(rank: int, world_size: int) -> None:
+    """One list of ignored modules given to two wrappers, each holding some of them: taken by both
+    classes (torch's test_ignored_modules_not_under_wrapped_root), and training runs."""
+    for cls, extra in (
+        (fsdp_lite.FullyShardedDataParallel, {}),
+        (native.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+    ):
+        model = nn.Sequential(_net(), nn.Linear(2, 2), nn.Linear(2, 2))
+        ignored = [model[0][2], model[1]]
+        model[0] = cls(model[0], ignored_modules=ignored, **extra)
+        model[2] = cls(model[2], ignored_modules=ignored, **extra)
+        model(torch.ones(3, 4)).sum().backward()
+        assert model[1].weight.grad is not None
+
+
 CHECKS = {
     "public_attributes": check_public_attributes,
     "clip_grad_norm_dtype_and_warning": check_clip_grad_norm_dtype_and_warning,
@@ -187,6 +202,7 @@ CHECKS = {
     "summon_or_apply_out_of_idle": check_summon_or_apply_out_of_idle,
     "ranks_ignoring_different_modules": check_ranks_ignoring_different_modules,
     "ignoring_the_wrapped_module_warns": check_ignoring_the_wrapped_module_warns,
+    "ignored_module_outside_the_wrapped_one": check_ignored_module_outside_the_wrapped_one,
 }
 
 

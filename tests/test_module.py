@@ -78,11 +78,6 @@ BAD_INPUT = {
         TypeError,
         "backward_prefetch must be fsdp_lite.api.BackwardPrefetch",
     ),
-    "ignored_module_not_submodule": (
-        lambda m, g: FSDP(m, ignored_modules=[nn.Linear(2, 2)]),
-        ValueError,
-        "is not a submodule",
-    ),
     "ignored_not_a_module": (
         lambda m, g: FSDP(m, ignored_modules=["fc1"]),
         ValueError,

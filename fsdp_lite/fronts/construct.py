@@ -468,17 +468,14 @@ def _resolve_ignored(
             "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
             f"types {types}"
         )
-    submodules = set(module.modules())
     mods: set[nn.Module] = set()
     params: set[nn.Parameter] = set()
     for item in items:
         if isinstance(item, nn.Parameter):
             params.add(item)
         else:
-            if item not in submodules:
-                raise ValueError(
-                    f"ignored module {type(item).__name__} is not a submodule of the wrapped module"
-                )
+            # A module outside the wrapped one is taken, as torch FSDP1 takes it (one list of
+            # ignored modules passed to several wrappers): it has nothing here to leave alone.
             if owns_unit(item):
                 raise ValueError("an ignored module cannot be a FullyShardedModule")
             if item is module:
