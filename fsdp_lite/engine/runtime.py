@@ -154,6 +154,16 @@ def _grad_ready(unit_ref: weakref.ref[ShardedUnit], _param: torch.Tensor) -> Non
 def take_replaced_params(unit: ShardedUnit, warn: bool = False) -> None:
     """Shard the parameters replaced in the unit's modules since it last looked, or raise before
     any collective (Note [Replaced parameters]); ``warn``: log it (an optimizer may hold the old)."""
+    for p in unit.params:
+        # requires_grad flipped on the parameter after wrapping: the copy forward runs on keeps
+        # the flag it was wrapped with, so a frozen parameter would still get gradients and be
+        # stepped, silently (torch's test_freezing_weights, freezing after wrapping). Refused.
+        if p.sharded_param.requires_grad != p.requires_grad:
+            raise ValueError(
+                f"parameter {unit.qualified(p)!r}: requires_grad was set to "
+                f"{p.sharded_param.requires_grad} after wrapping (it was {p.requires_grad} when "
+                "wrapped), which fsdp_lite does not follow; set requires_grad before wrapping"
+            )
     replaced = unit.replaced_params()
     if not replaced:
         return
