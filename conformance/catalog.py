@@ -482,11 +482,15 @@ CATALOG: tuple[Bug, ...] = (
         "moving a tensor into a file that already exists skips the copy: grads go stale",
         "facebookresearch/fairscale#496 (offloaded grad copy must complete); "
         "pytorch/pytorch#180666 (hook reads pinned CPU grads before the copy lands)",
+        # Re-planted 2026-12-06: the old patch (copy unless ``flat is f.tensor``) became a no-op
+        # when ``move`` began to slice the reserved file (a slice is never the file's tensor).
         P(
             "engine/disk.py",
+            "            flat = f.tensor[: local.numel()]\n        flat.copy_(local.reshape(-1))\n",
+            "            flat = f.tensor[: local.numel()]  # planted: no copy into an existing file\n"
+            "            moved = flat.view(local.shape)\n"
+            "            return with_local(value, moved) if isinstance(value, DTensor) else moved\n"
             "        flat.copy_(local.reshape(-1))\n",
-            "        if f is None or flat is not f.tensor:  # planted\n"
-            "            flat.copy_(local.reshape(-1))\n",
         ),
         first=("*/FULL_SHARD/fp32/disk_offload/lm_untied/*",),
     ),
