@@ -155,14 +155,15 @@ def check_ranks_ignoring_different_modules(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     extra = [nn.Linear(4, 4, bias=False) for _ in range(rank + 1)]
     body = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
-    model = nn.Sequential(body, *extra)
+    last = nn.Linear(4, 4)  # after the ignored ones: '2.weight' on rank 0, '3.weight' on rank 1
+    model = nn.Sequential(body, *extra, last)
     wrapped = fsdp_lite.FullyShardedDataParallel(model, ignored_modules=extra)
     optim = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
     wrapped(x).sum().backward()
     optim.step()
     with fsdp_lite.FullyShardedDataParallel.summon_full_params(wrapped):
-        shared = torch.cat([p.detach().reshape(-1) for p in body.parameters()])
+        shared = torch.cat([p.detach().reshape(-1) for m in (body, last) for p in m.parameters()])
     everyone = [torch.empty_like(shared) for _ in range(world_size)]
     dist.all_gather(everyone, shared)
     assert all(torch.equal(everyone[0], t) for t in everyone)

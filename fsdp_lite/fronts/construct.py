@@ -622,7 +622,9 @@ def _compare_across(mine: list, group: dist.ProcessGroup) -> None:
     reference, first = everyone[0], dist.get_global_rank(group, 0)
     for rank, theirs in enumerate(everyone[1:], start=1):
         rank = dist.get_global_rank(group, rank)
-        if theirs == reference:
+        # Shapes and dtypes in order, not names: ranks may ignore different modules, which
+        # renumbers the rest of a Sequential (torch's test_diff_ignored_modules_across_ranks).
+        if [t[1:] for t in theirs] == [t[1:] for t in reference]:
             continue
         if len(theirs) != len(reference):
             raise ValueError(
@@ -630,7 +632,7 @@ def _compare_across(mine: list, group: dist.ProcessGroup) -> None:
                 f"rank {rank} has {len(theirs)}{_SAME_MODULE_HINT}"
             )
         for ref, other in zip(reference, theirs):
-            if ref != other:
+            if ref[1:] != other[1:]:
                 raise ValueError(
                     "ranks built different models: parameter "
                     f"{ref[0]!r} is {ref[1]} {ref[2]} on rank {first} but {other[0]!r} is "
