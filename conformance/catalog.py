@@ -265,8 +265,9 @@ CATALOG: tuple[Bug, ...] = (
         "",
         P(
             "engine/collectives.py",
-            "        _isend(rows[peer], peer, group, tag),\n",
-            "        _isend(rows[rank], peer, group, tag),  # planted\n",
+            "    works = [sends.send([rows[peer]], peer, tag), sends.recv([received], peer, tag)]\n",
+            "    works = [sends.send([rows[rank]], peer, tag), sends.recv([received], peer, tag)]"
+            "  # planted\n",
         ),
         first=("*/FULL_SHARD/fp32/plain/mlp/*",),
     ),
@@ -277,8 +278,8 @@ CATALOG: tuple[Bug, ...] = (
         "",
         P(
             "engine/collectives.py",
-            "        works += [_irecv(rows[r], r, group, tag) for r in peers]\n",
-            "        works += [_irecv(rows[rank], r, group, tag) for r in peers]  # planted\n",
+            "        works += [sends.recv([rows[r]], r, tag) for r in peers]\n",
+            "        works += [sends.recv([rows[rank]], r, tag) for r in peers]  # planted\n",
         ),
         first=("*/FULL_SHARD/fp32/plain/mlp/*",),
     ),

@@ -41,7 +41,6 @@ def worker(iterations: int, checkout: str) -> None:
     sys.path.insert(0, checkout)
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
     import torch.nn.functional as F
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -49,27 +48,13 @@ def worker(iterations: int, checkout: str) -> None:
     from fsdp_lite.tools.launch import distributed
 
     assert Path(fsdp_lite.__file__).resolve().is_relative_to(checkout), fsdp_lite.__file__
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(97, 32)
-            self.blocks = nn.ModuleList(
-                nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4)
-            )
-            self.head = nn.Linear(32, 97)
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            h = self.emb(idx)
-            for block in self.blocks:
-                h = h + block(h)
-            return self.head(h)
+    from scripts.stress_lifetimes import Blocks  # an embedding, four MLP blocks, a head
 
     with distributed("gloo"):
         rank = dist.get_rank()
         for it in range(iterations):
             torch.manual_seed(it)
-            model = Model()
+            model = Blocks()
             for block in model.blocks:
                 fsdp_lite.fully_shard(block)
             fsdp_lite.fully_shard(model)
@@ -79,7 +64,7 @@ def worker(iterations: int, checkout: str) -> None:
             optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
             for step in range(2):
                 g = torch.Generator().manual_seed(1000 * it + 10 * step + rank)
-                idx = torch.randint(0, 97, (4, 16), generator=g)
+                idx = torch.randint(0, 61, (4, 16), generator=g)
                 loss = F.cross_entropy(model(idx).flatten(0, 1), idx.roll(1, 1).flatten())
                 loss.backward()
                 optim.step()

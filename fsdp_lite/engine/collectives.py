@@ -151,6 +151,8 @@ class Transport:
 
     all_gather_by_sends: bool = False
     reduce_scatter_by_sends: bool = False
+    # The group the sends travel on (``sends_group``), found once here; None: looked up per call.
+    sends: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def choose(group: dist.ProcessGroup, device: torch.device) -> Transport:
@@ -161,6 +163,7 @@ class Transport:
         return Transport(
             all_gather_by_sends=gloo_cpu,
             reduce_scatter_by_sends=gloo_cpu and dist.get_world_size(group) == 2,
+            sends=_SENDS.get(group),
         )
 
 
@@ -311,8 +314,9 @@ def all_gather(
         if not _same_memory(rows[rank], all_gather_input):
             rows[rank].copy_(all_gather_input)
         peers = [r for r in range(world_size) if r != rank]
-        works = [_isend(rows[rank], r, group, tag) for r in peers]
-        works += [_irecv(rows[r], r, group, tag) for r in peers]
+        sends = transport.sends or sends_group(group)
+        works = [sends.send([rows[rank]], r, tag) for r in peers]
+        works += [sends.recv([rows[r]], r, tag) for r in peers]
         result = AllGatherResult(all_gather_output, works)
     else:
         work = _all_gather_single(
@@ -326,16 +330,6 @@ def all_gather(
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
-
-
-def _isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, tag: int) -> dist.Work:
-    """Send to ``peer`` (a rank of ``group``) on the group's ``sends_group``."""
-    return sends_group(group).send([tensor], peer, tag)
-
-
-def _irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, tag: int) -> dist.Work:
-    """Receive from ``peer`` (a rank of ``group``) on the group's ``sends_group``."""
-    return sends_group(group).recv([tensor], peer, tag)
 
 
 def all_gather_copy_out(
@@ -403,7 +397,8 @@ def reduce_scatter(
         return ReduceResult(reduce_scatter_input, reduce_scatter_input, [])
     transport = transport or Transport.choose(group, reduce_scatter_input.device)
     if transport.reduce_scatter_by_sends and world_size == 2 and not _counted_by_comm_debug_mode():
-        result = _reduce_scatter_by_sends(reduce_scatter_input, group, tag)
+        sends = transport.sends or sends_group(group)
+        result = _reduce_scatter_by_sends(reduce_scatter_input, sends, tag)
         if not async_op:
             result.wait()
         return result
@@ -415,17 +410,15 @@ def reduce_scatter(
 
 
 def _reduce_scatter_by_sends(
-    reduce_scatter_input: torch.Tensor, group: dist.ProcessGroup, tag: int
+    reduce_scatter_input: torch.Tensor, sends: dist.ProcessGroup, tag: int
 ) -> ReduceResult:
-    """2 ranks: send the peer's row, receive the peer's row for this one; ``wait()`` adds."""
-    rank = dist.get_rank(group)
+    """2 ranks: send the peer's row, receive the peer's row for this one (on ``sends``, the data
+    group's ``sends_group``); ``wait()`` adds."""
+    rank = sends.rank()
     peer = 1 - rank
     rows = reduce_scatter_input.view(2, -1)  # (2, unit_shard_numel)
     received = rows.new_empty(rows.size(1))
-    works = [
-        _isend(rows[peer], peer, group, tag),
-        _irecv(received, peer, group, tag),
-    ]
+    works = [sends.send([rows[peer]], peer, tag), sends.recv([received], peer, tag)]
     return ReduceResult(rows[rank], reduce_scatter_input, works, received)
 
 

@@ -60,18 +60,22 @@ ELEMENTWISE: frozenset[type] = frozenset(
 _TRACKED: dict[int, weakref.ref] = {}
 _SWAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its swap
 _HOOKS: list = []
-_tracked_at_last_sweep = [0]
 _GUARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its hooks
 
 
 def track(owner: Any) -> None:
-    """Let optimizers step ``owner.sharded_param`` (an engine Param's DTensor parameter, while it
-    is that) on its local shard."""
-    if len(_TRACKED) > 2 * _tracked_at_last_sweep[0] + 64:  # drop the dead now and then
-        for key in [k for k, ref in _TRACKED.items() if ref() is None]:
+    """Let optimizers step ``owner.sharded_param`` (an engine Param's parameter, while it is
+    that) on its local shard, if it is a DTensor not on disk (disk.py's own step hooks read the
+    DTensors)."""
+    if not isinstance(owner.sharded_param, DTensor) or owner.disk_files is not None:
+        return
+    key = id(owner.sharded_param)
+
+    def forget(ref: weakref.ref) -> None:  # the owner is gone; the id may be another's by now
+        if _TRACKED.get(key) is ref:
             del _TRACKED[key]
-        _tracked_at_last_sweep[0] = len(_TRACKED)
-    _TRACKED[id(owner.sharded_param)] = weakref.ref(owner)
+
+    _TRACKED[key] = weakref.ref(owner, forget)
     if not _HOOKS:
         _HOOKS.append(register_optimizer_step_pre_hook(_before_step))
         _HOOKS.append(register_optimizer_step_post_hook(_after_step))

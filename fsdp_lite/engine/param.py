@@ -430,8 +430,7 @@ class Param:
             current = module._parameters[attr]
             if current is not self.sharded_param:  # _apply made a new Parameter (overwrite mode)
                 self.sharded_param = current
-                if isinstance(current, DTensor) and self.disk_files is None:
-                    local_step.track(self)
+                local_step.track(self)
                 self.point_modules_to(current)
             return self._take_back(current, param_dtype)
 
@@ -549,8 +548,7 @@ class ShardedParam(Param):
             self._to_dtensor(self.sharded_flat[: self.local_numel]),
             requires_grad=self.requires_grad,
         )
-        if disk is None:  # disk.py's step hooks read the DTensors themselves
-            local_step.track(self)
+        local_step.track(self)
         # In compute_dtype (MixedPrecision.param_dtype) when set: forward and backward run on it.
         # Meta init materializes the param inside this buffer already (construct._materialize), so
         # the unit is never allocated twice.
