@@ -141,6 +141,14 @@ def _not_writable(c: Ctx) -> None:
         FSDP(c.mlp(), cpu_offload=CPUOffload(offload_params=True, offload_dir=c.tmp))
 
 
+def _unfreeze_on_disk(c: Ctx) -> None:
+    model = c.mlp()
+    model.fc1.requires_grad_(False)  # wrapped frozen: no gradient file reserved for it
+    wrapped = FSDP(model, cpu_offload=CPUOffload(offload_params=True, offload_dir=c.tmp))
+    wrapped.module.fc1.weight.requires_grad = True
+    wrapped(torch.randn(2, 7))
+
+
 def _save_under_a_file(c: Ctx) -> None:
     if c.rank == 0:
         (c.tmp / "a_file").write_text("")
@@ -551,6 +559,7 @@ CASES: dict[str, Callable[[Ctx], object]] = {
         sharding_strategy=ShardingStrategy.NO_SHARD,
         cpu_offload=CPUOffload(offload_params=True, offload_dir=c.tmp),
     ),
+    "unfreeze_on_disk": _unfreeze_on_disk,
     "disk_step_without_offload_dir": lambda c: disk_offload.step(
         (m := c.units()), torch.optim.SGD(m.parameters(), lr=0.1)
     ),

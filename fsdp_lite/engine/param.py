@@ -359,6 +359,7 @@ class Param:
         self.shard_dim = 0
         self.tp = None
         self.disk_files = None
+        self.hooked_copy: torch.Tensor | None = None  # the copy runtime.register_grad_hooks hooked
         # Unsynced backwards' gradients in the reduce dtype (keep_unsynced_grad); 1D or the
         # copy's shape, a plain tensor.
         self.unsharded_accumulated_grad: torch.Tensor | None = None

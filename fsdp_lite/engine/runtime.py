@@ -54,6 +54,17 @@ anything else raises, naming the parameter and the layout it needs, before any c
 takes a replacement only at its lazy init and silently puts the old parameter back after a later
 one; fsdp_lite takes it at any forward, and after the unit's first forward it logs a warning: an
 optimizer built before still holds the old parameter, which no longer trains.
+
+Note [requires_grad after wrapping]: freezing (or unfreezing) a wrapped parameter sets
+``requires_grad`` on its ``sharded_param``, the parameter the model shows; forward runs on another
+tensor (the unsharded copy), whose flag autograd reads. So where a unit looks for replaced
+parameters it also copies each ``sharded_param``'s flag onto the copy and recounts its trainable
+params (``ShardedUnit.follow_requires_grad``): a frozen parameter gets no gradient and is not
+reduced or stepped; one trained again gets its gradient hook. torch FSDP1 follows the flag too: it
+recomputes its flat parameter's ``requires_grad`` before each forward and sets a frozen parameter's
+gradient to None after backward (its ``FlatParamHandle._reset_flat_param_grad_info_if_needed``
+and ``_use_sharded_grad_views``); torch's test_freezing_weights freezes after wrapping. As in torch, every rank must set the same
+flags: the reduction of a unit is as large as its trainable params.
 """
 
 from __future__ import annotations
@@ -138,7 +149,10 @@ def register_grad_hooks(unit: ShardedUnit, params: Sequence[Param]) -> None:
     """Count each trainable param's gradient where autograd leaves it (Note [Post-backward by
     gradient count]); a hook before the runtime exists does nothing."""
     for p in params:
-        if p.requires_grad:  # autograd leaves the gradient on the copy forward ran on
+        # Autograd leaves the gradient on the copy forward ran on; one hook per copy (a param
+        # frozen and trained again keeps the hook it had).
+        if p.requires_grad and p.hooked_copy is not p.unsharded_param:
+            p.hooked_copy = p.unsharded_param
             # Weakly: torch keeps the hook where Python's collector cannot see the cycle back
             # to the unit, so a strong reference would keep every dropped model alive.
             hook = functools.partial(_grad_ready, weakref.ref(unit))
@@ -154,16 +168,9 @@ def _grad_ready(unit_ref: weakref.ref[ShardedUnit], _param: torch.Tensor) -> Non
 def take_replaced_params(unit: ShardedUnit, warn: bool = False) -> None:
     """Shard the parameters replaced in the unit's modules since it last looked, or raise before
     any collective (Note [Replaced parameters]); ``warn``: log it (an optimizer may hold the old)."""
-    for p in unit.params:
-        # requires_grad flipped on the parameter after wrapping: the copy forward runs on keeps
-        # the flag it was wrapped with, so a frozen parameter would still get gradients and be
-        # stepped, silently (torch's test_freezing_weights, freezing after wrapping). Refused.
-        if p.sharded_param.requires_grad != p.requires_grad:
-            raise ValueError(
-                f"parameter {unit.qualified(p)!r}: requires_grad was set to "
-                f"{p.sharded_param.requires_grad} after wrapping (it was {p.requires_grad} when "
-                "wrapped), which fsdp_lite does not follow; set requires_grad before wrapping"
-            )
+    # requires_grad set after wrapping (Note [requires_grad after wrapping]); the hooks count
+    # the gradients of the params that train from now on.
+    register_grad_hooks(unit, unit.follow_requires_grad())
     replaced = unit.replaced_params()
     if not replaced:
         return

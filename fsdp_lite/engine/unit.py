@@ -710,6 +710,45 @@ class ShardedUnit:
                 found.append((p, new))
         return found
 
+    def follow_requires_grad(self) -> list[Param]:
+        """Take ``requires_grad`` as set on each ``sharded_param`` since the last look (Note
+        [requires_grad after wrapping]); returns the params that train from now on.
+
+        Raises:
+            ValueError: a disk-offloaded parameter wrapped frozen has no gradient file to train
+                with; before any collective.
+        """
+        changed = [p for p in self.params if p.sharded_param.requires_grad != p.requires_grad]
+        if not changed:
+            return []
+        for p in changed:
+            if (
+                p.sharded_param.requires_grad
+                and p.disk_files is not None
+                and not p.disk_files.grads
+            ):
+                raise ValueError(
+                    f"parameter {self.qualified(p)!r} is disk-offloaded and was wrapped with "
+                    "requires_grad=False, so no gradient file was reserved for it; set "
+                    "requires_grad=True before wrapping to train it"
+                )
+        for p in changed:
+            p.requires_grad = p.sharded_param.requires_grad
+            # The copy forward runs on (the shard itself for plain NO_SHARD) decides whether
+            # autograd computes a gradient for it.
+            p.unsharded_param.requires_grad_(p.requires_grad)
+            if not p.requires_grad:
+                # Unsynced gradients kept from earlier backwards would never be reduced now;
+                # torch FSDP1 gives a frozen parameter no gradient either.
+                p.unsharded_accumulated_grad = None
+        self.trainable = [p for p in self.params if p.requires_grad]
+        copies = all(p.unsharded_param is not p.sharded_param for p in self.params)
+        self._frozen_beside_trainable = copies and len(self.trainable) < len(self.params)
+        self.keeps_frozen_unsharded = (
+            self._frozen_beside_trainable and self.rules.reshard_after_backward
+        )
+        return [p for p in changed if p.requires_grad]
+
     def qualified(self, p: Param) -> str:
         """``p``'s name from the root (the unit's path, then its own)."""
         return f"{self.name}.{p.fqn}" if self.name else p.fqn
