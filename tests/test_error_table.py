@@ -45,6 +45,7 @@ from fsdp_lite.whole_matrix import WholeMatrix
 from fsdp_lite.wrap import CustomPolicy, ModuleWrapPolicy, enable_wrap, wrap
 from tests.parity import build_model
 from tests.ranks import run_ranks
+from tests.test_stand_in_group import StandIn
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
@@ -560,6 +561,12 @@ CASES: dict[str, Callable[[Ctx], object]] = {
         cpu_offload=CPUOffload(offload_params=True, offload_dir=c.tmp),
     ),
     "unfreeze_on_disk": _unfreeze_on_disk,
+    # a process group stand-in (construct.py Note [Stand-in process groups])
+    "stand_in_with_sync_module_states": lambda c: FSDP(
+        c.mlp(), process_group=StandIn(0, 2), sync_module_states=True
+    ),
+    "stand_in_rank_out_of_range": lambda c: FSDP(c.mlp(), process_group=StandIn(2, 2)),
+    "stand_in_run": lambda c: FSDP(c.mlp(), process_group=StandIn(0, 2))(torch.randn(2, 7)),
     "disk_step_without_offload_dir": lambda c: disk_offload.step(
         (m := c.units()), torch.optim.SGD(m.parameters(), lr=0.1)
     ),
@@ -861,7 +868,9 @@ def _documented(case: str) -> list[str]:
         " ".join(t.split())
         for error, test in _rows()
         if f"[{case}]" in test
-        for t in re.findall(r"`([^`]+)`", error)
+        # ``...`` spans hold messages with backticks in them (torch's words)
+        for a, b in re.findall(r"``(.+?)``|`([^`]+)`", error)
+        for t in [a or b]
     ]
     assert texts, f"no row of docs/errors.md names [{case}]"
     return texts

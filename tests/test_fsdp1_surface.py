@@ -195,6 +195,26 @@ def check_ignored_module_outside_the_wrapped_one(rank: int, world_size: int) -> 
         assert model[1].weight.grad is not None
 
 
+def check_non_root_refusals_in_torchs_words(rank: int, world_size: int) -> None:
+    """``clip_grad_norm_()`` and ``no_sync()`` on a nested unit: torch FSDP1's class and words
+    (its test_non_root in test_fsdp_clip_grad_norm matches them)."""
+    said = []
+    for cls, extra in (
+        (fsdp_lite.FullyShardedDataParallel, {}),
+        (native.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+    ):
+        model = _net()
+        model[2] = cls(model[2], **extra)
+        wrapped = cls(model, **extra)
+        wrapped(torch.ones(2, 4)).sum().backward()
+        for call in (lambda: wrapped.module[2].clip_grad_norm_(2.0),
+                     lambda: wrapped.module[2].no_sync().__enter__()):  # fmt: skip
+            with pytest.raises(RuntimeError) as info:
+                call()
+            said.append(str(info.value))
+    assert said[:2] == said[2:], said
+
+
 CHECKS = {
     "public_attributes": check_public_attributes,
     "clip_grad_norm_dtype_and_warning": check_clip_grad_norm_dtype_and_warning,
@@ -204,6 +224,7 @@ CHECKS = {
     "ranks_ignoring_different_modules": check_ranks_ignoring_different_modules,
     "ignoring_the_wrapped_module_warns": check_ignoring_the_wrapped_module_warns,
     "ignored_module_outside_the_wrapped_one": check_ignored_module_outside_the_wrapped_one,
+    "non_root_refusals_in_torchs_words": check_non_root_refusals_in_torchs_words,
 }
 
 

@@ -21,6 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fsdp_lite.engine.observe import Collective
@@ -182,11 +183,33 @@ _SENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # data group ->
 _OPENED: collections.Counter[str] = collections.Counter()  # group name -> twins opened under it
 
 
+def is_stand_in(group: object) -> bool:
+    """A process group stand-in: an object with ``rank()`` and ``size()`` that is no torch
+    ``ProcessGroup`` (torch's tests pass one, ``DummyProcessGroup``, to build wrappers without
+    a process group; Note [Stand-in process groups])."""
+    return (
+        not isinstance(group, dist.ProcessGroup)
+        and callable(getattr(group, "rank", None))
+        and callable(getattr(group, "size", None))
+    )
+
+
+def stand_in_mesh(group: object, device_type: str) -> DeviceMesh:
+    """A 1-D DeviceMesh over a stand-in's ``size()`` ranks at its ``rank()``, with no process
+    group behind it: DTensor shards can be made on it, no collective can run on it. torch's
+    private arguments (2.13), here only."""
+    return DeviceMesh(
+        device_type, torch.arange(group.size()), _init_backend=False, _rank=group.rank()
+    )
+
+
 def open_sends(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether ``group``'s gathers of tensors on ``device`` go by sends (gloo, CPU); if so, and
     the group has peers, its ``sends_group`` is opened now, a rendezvous every rank of ``group``
     must reach. Construction calls it right after the ranks agreed on the model, so that a rank
     failing later cannot leave its peers waiting in a rendezvous that no check watches."""
+    if is_stand_in(group):
+        return False  # nothing runs on it (Note [Stand-in process groups])
     gloo_cpu = device.type == "cpu" and dist.get_backend(group) == "gloo"
     if gloo_cpu and group.size() > 1:
         sends_group(group)

@@ -81,6 +81,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_lite.api import BackwardPrefetch
+from fsdp_lite.engine import collectives
 from fsdp_lite.engine.param import Param
 from fsdp_lite.engine.streams import SideStreams, side_streams
 from fsdp_lite.engine.structures import grad_tensors
@@ -135,6 +136,15 @@ def lazy_init(root: nn.Module) -> StepRuntime:
     if root._unit.runtime is not None:
         return root._unit.runtime
     owners = [(name, m) for name, m in root.named_modules() if owns_unit(m)]
+    for _, owner in owners:
+        group = owner._unit.group
+        if collectives.is_stand_in(group):
+            raise RuntimeError(
+                f"this model was wrapped on process_group {type(group).__name__}, a stand-in "
+                "with rank() and size() but no collectives: it can be inspected, not run "
+                "(forward, state dicts, summon_full_params, clip_grad_norm_); wrap it on a "
+                "torch.distributed ProcessGroup to run it"
+            )
     # A unit owned by several modules (FSDP2's list groups) is named by the first of them, in
     # pre-order; units are listed children before parents, each once.
     names = {owner._unit: clean_name(name) for name, owner in reversed(owners)}

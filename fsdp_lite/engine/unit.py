@@ -566,8 +566,8 @@ class ShardedUnit:
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = group.rank()  # a stand-in's too (construct.py Note [Stand-in process groups])
+        self.world_size = group.size()
         self.replicate_group = replicate_group  # HYBRID_SHARD: reduce across replicas too
         self.precision = precision or Precision()
         self.settings = settings or UnitSettings()

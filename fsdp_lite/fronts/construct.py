@@ -154,6 +154,8 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
             raise ValueError("process_group tuple must be (shard_group, replicate_group)")
         for g in group:
             _check_type("process_group[i]", g, dist.ProcessGroup, allow_none=False)
+    elif collectives.is_stand_in(group):
+        _check_stand_in(group, kw, hybrid)
     else:
         _check_type("process_group", group, dist.ProcessGroup)
     _check_type("device_mesh", mesh_given, DeviceMesh)
@@ -163,7 +165,8 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
         raise ValueError(
             f"{strategy.name} needs a {2 if hybrid else 1}-D device_mesh, got {mesh_given.ndim}-D"
         )
-    if not dist.is_available() or not dist.is_initialized():
+    stand_in = collectives.is_stand_in(group)
+    if not stand_in and (not dist.is_available() or not dist.is_initialized()):
         raise RuntimeError(
             "FullyShardedModule needs torch.distributed initialized first: "
             "call torch.distributed.init_process_group (torchrun sets up the environment)"
@@ -176,6 +179,8 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
         replicate_group, group = mesh.get_group(0), mesh.get_group(1)
     elif mesh_given is not None:
         mesh, group = mesh_given, mesh_given.get_group()
+    elif stand_in:
+        mesh = collectives.stand_in_mesh(group, device.type)
     else:
         group = group or dist.group.WORLD
         mesh = DeviceMesh.from_group(group, device.type)
@@ -208,6 +213,40 @@ def _make_config(module: nn.Module, kw: dict[str, Any]) -> UnitConfig:
         ignored_modules=frozenset(ignored_modules),
         precision=precision,
     )
+
+
+# Note [Stand-in process groups]: torch FSDP1 reads only ``rank()`` and ``size()`` of its
+# process group while it wraps (collectives come at the first forward), so torch's own tests build
+# wrappers in one process with no process group, passing ``DummyProcessGroup(rank, size)``, and
+# check what got wrapped, ``rank``, ``world_size`` and ``process_group`` (test_wrap.py's
+# TestAutoWrap). fsdp_lite takes such a stand-in too: the wrapper and its units are built, the
+# shards cut at ``rank()`` of ``size()`` on a DeviceMesh with no process group behind it
+# (collectives.stand_in_mesh), and the steps that need the other ranks (the cross-rank model
+# check, the sends' group) are left out. What needs collectives is refused before any: the
+# constructor arguments that communicate (``_check_stand_in``), and running the wrapper
+# (runtime.lazy_init: forward, state dicts, summon_full_params, clip_grad_norm_).
+
+
+def _check_stand_in(group: object, kw: dict[str, Any], hybrid: bool) -> None:
+    """Refuse what a stand-in process group cannot do at construction, naming it."""
+    what = f"process_group {type(group).__name__} is a stand-in (rank() and size(), no collectives)"
+    rank, size = group.rank(), group.size()
+    if not (isinstance(rank, int) and isinstance(size, int) and 0 <= rank < size):
+        raise ValueError(f"{what} with rank() {rank!r} and size() {size!r}: need 0 <= rank < size")
+    needs = [
+        name
+        for name, asked in (
+            ("sync_module_states=True", kw["sync_module_states"]),
+            ("CPUOffload(offload_dir=...)", getattr(kw["cpu_offload"], "offload_dir", None)),
+            ("HYBRID_SHARD", hybrid),
+        )
+        if asked
+    ]
+    if needs:
+        raise ValueError(
+            f"{what}; {', '.join(needs)} needs the other ranks at construction: pass a "
+            "torch.distributed ProcessGroup"
+        )
 
 
 def open_disk_store(config: UnitConfig, module: nn.Module) -> UnitConfig:
@@ -595,6 +634,8 @@ def _check_same_model_across_ranks(module: nn.Module, config: UnitConfig) -> Non
 
     # Ignored parameters are left out: they are neither sharded nor reduced, and ranks may ignore
     # different modules (torch FSDP1 takes that; its test_diff_ignored_modules_across_ranks).
+    if collectives.is_stand_in(config.group):
+        return  # no other rank to ask (Note [Stand-in process groups])
     mine = [
         (name, tuple(p.shape), str(p.dtype))
         for name, p in module.named_parameters()
@@ -699,8 +740,8 @@ def _build_unit(
         locations, names, buffers = _materialize(own_modules, locations, names, config, dim_of)
     # ``names`` is in registration (pre-order) order, so the flat layout is the same on every rank.
     ordered = list(names)
-    rank = dist.get_rank(config.group)
-    world_size = dist.get_world_size(config.group)
+    # The group's own rank and size (a stand-in's too, Note [Stand-in process groups]).
+    rank, world_size = config.group.rank(), config.group.size()
     params = [
         new_param(
             p,
@@ -800,7 +841,7 @@ def _materialize(
     real_locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     real_names: dict[nn.Parameter, str] = {}
     buffers: dict[nn.Parameter, torch.Tensor] = {}
-    world_size = dist.get_world_size(config.group)
+    world_size = config.group.size()
     for param, where in locations.items():
         real = param
         if param.is_meta:

@@ -65,7 +65,9 @@ class FullyShardedModule(nn.Module):
 
     Args:
         module: the module to wrap; its parameters are replaced by 1/N shards.
-        process_group: the ranks to shard over (default: the default process group).
+        process_group: the ranks to shard over (default: the default process group); an
+            object with ``rank()`` and ``size()`` only builds a wrapper that cannot run
+            (construct.py Note [Stand-in process groups]).
         sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP or NO_SHARD.
         cpu_offload: ``CPUOffload(offload_params=True)`` keeps sharded params, their grads and
             the optimizer step in CPU memory; with ``offload_dir`` set (not with NO_SHARD), in
@@ -298,7 +300,10 @@ class FullyShardedModule(nn.Module):
         """Accumulate local gradients without communicating; the first backward after syncs them."""
         runtime = self._lazy_init()
         if not self._unit.is_root:
-            raise RuntimeError("no_sync() must be called on the root FullyShardedModule")
+            raise RuntimeError(  # torch FSDP1's words, which its tests match
+                "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` "
+                "on root FSDP module."
+            )
         previous = {unit: unit.settings.requires_gradient_sync for unit in runtime.units}
         for unit in runtime.units:
             unit.settings.requires_gradient_sync = False
@@ -321,7 +326,9 @@ class FullyShardedModule(nn.Module):
         """
         self._lazy_init()
         if not self._unit.is_root:
-            raise RuntimeError("clip_grad_norm_() must be called on the root FullyShardedModule")
+            raise RuntimeError(  # torch FSDP1's words, which its test_non_root matches
+                "`clip_grad_norm_()` should only be called on the root FSDP instance"
+            )
         norm_type = float(norm_type)
         sharded, replicated = [], []
         sharded_ids = set()
