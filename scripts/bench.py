@@ -876,7 +876,8 @@ def summarize(raw: dict, args: argparse.Namespace, cfg: GPTConfig, specs: dict) 
         theory = theory_nbytes(spec, precision, cfg, world_size)
         if theory is not None:
             row["theory_nbytes"] = theory
-            row["sent_vs_theory"] = row["sent_nbytes_total"] / theory["theory"]
+            if theory["theory"]:  # at one rank nothing need move
+                row["sent_vs_theory"] = row["sent_nbytes_total"] / theory["theory"]
         rows.append(row)
     by_key = {(r["precision"], r["system"]): r for r in rows}
     for row in rows:
@@ -1207,8 +1208,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("world_size", "steps", "rounds", "layers", "d_model", "heads", "vocab"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.world_size < 2:
-        parser.error("--world-size must be at least 2")
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
     if args.sequential and math.ceil(args.steps / args.rounds) < 2:
