@@ -3,6 +3,7 @@
     python scripts/trace_demo.py --out DIR [--strategy FULL_SHARD] [--steps 3] [--cpu-offload] [--bf16]
     python scripts/trace_demo.py --docs docs/figures    # every figure of the docs/ pages
     python scripts/trace_demo.py --out DIR --steps 2 --chrome DIR/trace.json [--torch-profile]
+                                                        # + DIR/trace.html, its offline viewer
 
 Writes DIR/timeline.png (each unit's compute and collectives per rank, last step), DIR/memory.png
 (bytes by category per rank over the last step), DIR/explain.txt (every rank's sharding plan),
@@ -11,7 +12,8 @@ trace). Without matplotlib it writes the text and JSON, says the PNGs need ``pip
 and exits 0; with ``--png`` (and always with ``--docs``) a missing matplotlib is an error before
 any rank starts. ``--chrome FILE`` also writes every rank's trace as one Trace Event Format file
 (Perfetto, chrome://tracing; ``fsdp_lite.trace.write_chrome_trace``), with torch.profiler's CPU ops
-of the same steps beside it under ``--torch-profile``. Ranks launch themselves as
+of the same steps beside it under ``--torch-profile``, and FILE with ``.html``, the same trace drawn
+by a page that needs no network (``fsdp_lite.tools.trace_view``). Ranks launch themselves as
 ``python -m fsdp_lite.demo`` does, or run under torchrun.
 """
 
@@ -47,6 +49,7 @@ from fsdp_lite.demo import PROCESS_GROUP_TIMEOUT, human_bytes, say
 from fsdp_lite.engine.collectives import all_gather_objects
 from fsdp_lite.estimate import estimate
 from fsdp_lite.tools.launch import launch_module, leave_together
+from fsdp_lite.tools.trace_view import write_trace_html
 from fsdp_lite.trace import (
     CollectiveTrace,
     explain,
@@ -292,9 +295,12 @@ def run_job(job: Job, out: Path, steps: int, png: bool) -> None:
         profile = chrome.with_name(f"{chrome.stem}_torch_rank{rank}.json")
     model, trace = train_traced(job, steps, profile)
     if chrome:
-        write_chrome_trace(trace, chrome, profile=profile)
+        doc = write_chrome_trace(trace, chrome, profile=profile)
         if rank == 0:
             say(f"  wrote {chrome}")
+            ops = " and torch.profiler's CPU ops" if profile else ""
+            title = f"{job.title}: {steps} steps of a TinyLM, fsdp_lite's trace{ops}"
+            say(f"  wrote {write_trace_html(doc, chrome.with_suffix('.html'), title)}")
     if job.state_dict_figure:
         trace_state_dicts(model, out, png)
     data = trace.to_json()

@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from fsdp_lite.tools.trace import ComputeSpan, _lanes
+from fsdp_lite.tools.trace_view import write_trace_html
 from fsdp_lite.trace import CollectiveTrace, chrome_trace, write_chrome_trace
+from scripts import headless_chromium as browser
 from tests.ranks import run_ranks
+from tests.test_trace_view import READ, needs_chromium
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,6 +207,59 @@ def test_merged_file_puts_each_wait_inside_torch_profilers_label_of_it(run):
             assert len(inside) == 1, (rank, w, labels[name])
 
 
+def _human(nbytes: float) -> str:
+    """As the viewer writes bytes (trace_view._JS's human)."""
+    units, i = ["B", "KiB", "MiB", "GiB"], 0
+    while nbytes >= 1024 and i < 3:
+        nbytes, i = nbytes / 1024, i + 1
+    return f"{nbytes:.1f} {units[i]}" if i else f"{nbytes} {units[i]}"
+
+
+@needs_chromium
+@pytest.mark.parametrize("name", ["plain", "merged"])
+def test_the_offline_viewer_in_chromium_shows_what_each_rank_recorded(run, name, tmp_path):
+    """The file opened offline in headless Chromium through fsdp_lite.tools.trace_view (Chromium's
+    chrome://tracing does not open headless): per rank, the summary's counts and the spans drawn
+    are those record_collectives recorded; merged, torch's ops are drawn in the ranks too."""
+    ranks, docs = run
+    page = write_trace_html(docs[name], tmp_path / f"{name}.html")
+    seen = browser.probe(page, READ, size=(1600, 1000))
+    assert seen["processes"][:2] == ["rank 0", "rank 1"], seen["processes"]
+    for rank, result in enumerate(ranks):
+        trace = CollectiveTrace.from_json(result["trace"])
+        kinds = Counter(r.kind for r in trace.records)
+        units = [s for s in trace.spans if s.phase in ("forward", "backward")]
+        row = seen["rows"][str(rank)]
+        assert row[0] == f"rank {rank}"
+        assert row[2:8] == [
+            str(len(units)),  # 3 units x forward and backward x 2 steps
+            str(len(trace.records)),
+            ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())),
+            _human(sum(r.nbytes for r in trace.records)),
+            str(len(trace.records)),  # a wait per collective
+            str(len(trace.spans) - len(units)),  # the optimizer, once a step
+        ], row
+        assert row[9] == str(len(trace.memory))
+        drawn = [s for s in seen["spans"] if s["pid"] == str(rank)]
+        collectives = [s["title"].split(" (")[0] for s in drawn if s["cat"] == "collective"]
+        assert Counter(collectives) == Counter(
+            f"{r.kind} {r.unit or '<root>'}" for r in trace.records
+        )
+        compute = [s["title"].split(" (")[0] for s in drawn if s["cat"] == "compute"]
+        assert Counter(compute) == Counter(f"{s.unit or '<root>'} {s.phase}" for s in units)
+        assert {"blocks.0 forward", "blocks.1 backward", "<root> forward"} <= set(compute)
+        assert len([c for c in seen["counters"] if c[0] == str(rank)]) == 6  # memory categories
+        torch_ops = [s["title"] for s in drawn if s["cat"] not in OURS]
+        if name == "merged":
+            assert any(t.startswith("aten::") for t in torch_ops)
+            assert any(t.startswith("fsdp_lite::wait_for_unshard") for t in torch_ops)
+        else:
+            assert torch_ops == [] and row[8] == "0"
+    lanes = seen["lanes"]
+    assert lanes.count("compute") == lanes.count("collectives") == lanes.count("waits") == 2
+    assert all(s["w"] > 0 for s in seen["spans"])
+
+
 # ---- one process ---------------------------------------------------------------------------------
 
 
@@ -258,3 +314,8 @@ def test_trace_demo_chrome_writes_one_file_for_both_ranks(tmp_path):
         assert any(
             str(e["name"]).startswith("aten::") for e in doc["traceEvents"] if e["pid"] == rank
         )
+    # and its offline page beside it, with the same document in it
+    page = path.with_suffix(".html").read_text()
+    assert "<title>FULL_SHARD, 2 ranks: 2 steps" in page and "CPU ops</title>" in page
+    data = page[page.index('id="trace-data">') + 16 : page.index("</script>")]
+    assert json.loads(data) == doc
