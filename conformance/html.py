@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
+import lzma
 import math
 import sys
 from collections import Counter
@@ -714,13 +716,19 @@ def render(
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """A ``--json`` report, or the report a ``--jsonl`` events file makes (as the launching
-    process assembles it after the last launch: each case's result, or its crash)."""
-    text = Path(path).read_text(encoding="utf-8")
+    """A ``--json`` report (or one compressed, ``.xz`` or ``.gz``), or the report a ``--jsonl``
+    events file makes (as the launching process assembles it after the last launch: each case's
+    result, or its crash)."""
+    raw = Path(path).read_bytes()
+    compressed = str(path).endswith((".xz", ".gz"))
+    if compressed:
+        raw = lzma.decompress(raw) if str(path).endswith(".xz") else gzip.decompress(raw)
     try:
-        doc = json.loads(text)
+        doc = json.loads(raw.decode("utf-8"))
     except ValueError:
         doc = None
+    if compressed and not (isinstance(doc, dict) and "cases" in doc):
+        raise ValueError(f"{path}: a compressed file must hold a --json report")
     if isinstance(doc, dict) and "cases" in doc:
         if "schema_version" not in doc:  # --world-sizes' or --self-test's report
             raise ValueError(
@@ -761,7 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Render the HTML report of a conformance run from its --json report "
         "(or its --jsonl events file), without running anything.",
     )
-    parser.add_argument("results", help="a --json report or a --jsonl events file")
+    parser.add_argument("results", help="a --json report (.xz or .gz too) or a --jsonl events file")
     parser.add_argument("-o", "--output", default="report.html", help="default report.html")
     parser.add_argument("--compare-to", metavar="OLD", help="an older --json report: the diff view")
     parser.add_argument(

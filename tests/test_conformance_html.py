@@ -8,17 +8,21 @@ and parse the page with the standard library's ``html.parser``: the planted fail
 with its first failing stage and step, the counts are right, no ``src`` or ``href`` leaves the
 file, the page stays under a size bound, and ``--compare-to`` shows the planted case as a
 regression. One test runs the suite itself on three cases with a gradient bug planted in one
-(scripts/conformance_html_demo.py). The last one renders the page in headless Chromium
-(``chromium --headless --dump-dom``) and reads the rendered DOM's text; it skips where no
-``chromium`` is installed.
+(scripts/conformance_html_demo.py); two render the stored report of the default-matrix run that
+docs/conformance.md shows (988 cases, one planted failure). The browser tests open the pages in
+headless Chromium, offline (scripts/headless_chromium.py), and read them as laid out: the text
+that is rendered, the failure list's first row on the first screen in red, the open details'
+charts, the heat map's cell colours, the filter box and the "failing rows only" switch at work.
+They skip where no ``chromium`` is on PATH.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
+import lzma
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +37,7 @@ from conformance.compare import StageTally
 from conformance.matrix import Case
 from conformance.results import CaseResult
 from conformance.tolerances import STAGES, tolerance
+from scripts import headless_chromium as browser
 
 REPO = Path(__file__).resolve().parents[1]
 IMPLS = ("fsdp_lite", "torch_fsdp2", "torch_fsdp1")
@@ -275,9 +280,13 @@ def test_rendered_from_a_saved_report_or_events_file(tmp_path):
         assert int(page.by_id["n-total"]) == 50
 
 
-@pytest.mark.slow
-def test_a_run_with_a_planted_bug(tmp_path):
+PLANTED_RUN_CASE = "fsdp_lite_planted/FULL_SHARD/fp32/plain/lm_untied/ws2"
+
+
+@pytest.fixture(scope="module")
+def planted_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The suite itself, three cases of three implementations, the planted adapter's failing."""
+    out = tmp_path_factory.mktemp("planted")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     args = ["--impl", "scripts.conformance_html_demo:PlantedFsdpLite", "torch_fsdp2", "torch_fsdp1"]
     args += [
@@ -290,46 +299,117 @@ def test_a_run_with_a_planted_bug(tmp_path):
     ]
     proc = subprocess.run(
         [sys.executable, "-m", "conformance", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=out, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+    return out, proc
+
+
+@pytest.mark.slow
+def test_a_run_with_a_planted_bug(planted_run):
+    out, proc = planted_run
     assert proc.returncode == report.EXIT_FAILED, proc.stdout[-3000:] + proc.stderr[-3000:]
-    page = _parse((tmp_path / "r.html").read_text())
-    name = "fsdp_lite_planted/FULL_SHARD/fp32/plain/lm_untied/ws2"
-    assert page.rows["failure-list"][1][1:4] == [name, "failed", "params, step 2"]
+    page = _parse((out / "r.html").read_text())
+    assert page.rows["failure-list"][1][1:4] == [PLANTED_RUN_CASE, "failed", "params, step 2"]
     assert {s: page.by_id[f"n-{s}"] for s in ("total", "passed", "failed")} == {
         "total": "3", "passed": "2", "failed": "1",
     }  # fmt: skip
-    doc = json.loads((tmp_path / "r.json").read_text())
+    doc = json.loads((out / "r.json").read_text())
     curves = {c["name"]: c["curves"] for c in doc["cases"]}
     # the planted bug bends the curves from step 3 on; the native FSDPs follow DDP exactly
-    planted = curves[name]["loss"]
+    planted = curves[PLANTED_RUN_CASE]["loss"]
     assert planted["impl"][:2] == planted["ddp"][:2] and planted["impl"][2] != planted["ddp"][2]
     native = curves["torch_fsdp2/FULL_SHARD/fp32/plain/lm_untied/ws2"]["loss"]
     assert native["impl"] == native["ddp"]
     assert len(native["impl"]) == 4  # 3 steps and the step after the round trip
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
+# ---- in a browser ---------------------------------------------------------------------------------
 
-
-@pytest.mark.skipif(
-    _chromium() is None,
+needs_chromium = pytest.mark.skipif(
+    browser.chromium() is None,
     reason="no chromium on PATH (Debian's chromium package): the rendered page cannot be read",
 )
+
+# Read off the page as Chromium laid it out at 1400 x 1000 (scripts/headless_chromium.py probe):
+# the text a person sees (innerText leaves out what is not rendered), the counts, the failure
+# list's rows and whether the first is on the first screen in the failed colour, the open details
+# and their curves' boxes, each heat map row's cell colours; then the filter box typed into and
+# the "failing rows only" switch clicked, and the rows left showing.
+READ_REPORT = r"""
+var q=function(s){return document.querySelector(s)},visible=function(){
+ return [].filter.call(document.querySelectorAll('#heatmap tr.r'),function(r){return r.getClientRects().length>0})
+  .map(function(r){return r.cells[0].innerText})};
+var counts={};['total','passed','failed','unsupported','crashed'].forEach(function(s){counts[s]=q('#n-'+s).innerText});
+var list=[].slice.call(q('#failure-list').rows,1),first=list[0].getBoundingClientRect();
+var open=[].filter.call(document.querySelectorAll('details.case'),function(d){return d.open}).map(function(d){
+ return {id:d.id,charts:[].filter.call(d.querySelectorAll('svg'),function(g){return g.getBoundingClientRect().height>50}).length}});
+var heat={};[].forEach.call(document.querySelectorAll('#heatmap tr.r'),function(r){
+ heat[r.cells[0].innerText]=[].slice.call(r.cells,1).map(function(c){return getComputedStyle(c).backgroundColor})});
+var perImpl={};[].slice.call(q('#per-impl').rows,1).forEach(function(r){perImpl[r.cells[0].innerText]=[].slice.call(r.cells,1).map(function(c){return c.innerText})});
+var result={text:document.body.innerText,counts:counts,perImpl:perImpl,
+ failures:list.map(function(r){return [].map.call(r.cells,function(c){return c.innerText})}),
+ firstTop:first.top,firstBottom:first.bottom,screen:innerHeight,
+ firstColour:getComputedStyle(list[0].cells[2]).color,open:open,heat:heat,allRows:visible().length};
+var box=q('#hmq');box.value=ROW;box.dispatchEvent(new Event('input'));
+result.typed=[visible(),q('#hmn').innerText];
+box.value='';box.dispatchEvent(new Event('input'));q('#hmf').click();
+result.failingOnly=[visible(),q('#hmn').innerText];
+return result;
+"""
+RED = "rgb(207, 34, 46)"  # html._CSS: .failed's colour, .f's background
+
+
+def _read_report(page: Path, row: str) -> dict:
+    return browser.probe(page, f"var ROW={json.dumps(row)};" + READ_REPORT, size=(1400, 1000))
+
+
+@needs_chromium
 def test_headless_chromium_shows_the_failure_and_the_counts(tmp_path, thousand):
     doc, text, _ = thousand
-    page_path = tmp_path / "report.html"
-    page_path.write_text(text)
-    proc = subprocess.run(
-        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page_path.as_uri()],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    dom = _parse(proc.stdout)
-    assert dom.rows["failure-list"][1][1:4] == [PLANTED, "failed", "params, step 2"]
-    assert {s: int(dom.by_id[f"n-{s}"]) for s in html_report.STATUSES} == doc["summary"]
-    assert int(dom.by_id["n-total"]) == 1000
+    page = tmp_path / "report.html"
+    page.write_text(text)
+    row = PLANTED.split("/", 1)[1]
+    seen = _read_report(page, row)
+    assert "1 failed, 1 crashed of 1000" in seen["text"]
+    assert seen["counts"] == {"total": "1000", "passed": "980", "failed": "1", "unsupported": "18", "crashed": "1"}  # fmt: skip
+    assert {s: int(seen["counts"][s]) for s in html_report.STATUSES} == doc["summary"]
+    assert seen["perImpl"]["fsdp_lite"][:5] == ["432", "430", "1", "0", "1"]
+    # the planted failure first, on the first screen, in red; the crash after it
+    assert [f[1:4] for f in seen["failures"]] == [
+        [PLANTED, "failed", "params, step 2"],
+        [CRASHED, "crashed", "rank died after step 2, comparing grads"],
+    ]
+    assert 0 < seen["firstTop"] and seen["firstBottom"] < seen["screen"]
+    assert seen["firstColour"] == RED
+    # its details open with their four charts drawn; the crash's open too
+    assert seen["open"] == [{"id": "f0", "charts": 4}, {"id": "f1", "charts": 0}]
+    # its heat map row: fsdp_lite's params, optimizer state and state dict red against both
+    # references, loss and grads not; the other implementations' cells not red
+    cells = seen["heat"][row]
+    assert [c == RED for c in cells[:10]] == [False] * 4 + [True] * 6
+    assert RED not in cells[10:]
+    assert sum(RED in c for c in seen["heat"].values()) == 1
+    # the filter finds it by name; "failing rows only" leaves its row and the crashed case's
+    assert seen["allRows"] == 432
+    assert seen["typed"] == [[row], "1 rows shown"]
+    assert seen["failingOnly"] == [[CRASHED.split("/", 1)[1], row], "2 rows shown"]  # run order
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_a_run_with_a_planted_bug_in_chromium(planted_run):
+    out, proc = planted_run
+    assert (out / "r.html").is_file(), proc.stderr[-3000:]
+    row = PLANTED_RUN_CASE.split("/", 1)[1]
+    seen = _read_report(out / "r.html", row)
+    assert seen["counts"] == {"total": "3", "passed": "2", "failed": "1", "unsupported": "0", "crashed": "0"}  # fmt: skip
+    assert [f[1:4] for f in seen["failures"]] == [[PLANTED_RUN_CASE, "failed", "params, step 2"]]
+    assert seen["firstBottom"] < seen["screen"] and seen["firstColour"] == RED
+    assert seen["open"] == [{"id": "f0", "charts": 4}]
+    # one heat map row, three implementations: only the planted one's params onwards are red
+    cells = seen["heat"][row]
+    assert len(cells) == 30 and RED in cells[:10] and RED not in cells[10:]
+    assert seen["failingOnly"] == [[row], "1 rows shown"]
 
 
 def test_a_raised_case_and_non_finite_distances_render():
@@ -362,3 +442,56 @@ def test_curves_of_chosen_passing_cases_on_demand(thousand):
     assert name in section and section.count('<svg width="250"') == 4
     # against DDP, the single process and both native FSDPs' runs of the same case
     assert all(run in section for run in ("ddp", "single", "torch_fsdp2", "torch_fsdp1"))
+
+
+# ---- the stored run: the default matrix of 3 implementations with one planted failure ------------
+
+STORED_RUN = REPO / "benchmarks/results/conformance_planted_default_2026-12-06.json.xz"
+
+
+@pytest.fixture(scope="module")
+def stored_run(tmp_path_factory) -> Path:
+    """The page of the run docs/conformance.md shows (scripts/conformance_html_demo.py, the
+    default matrix, 988 cases), rendered from its stored --json report."""
+    page = tmp_path_factory.mktemp("stored") / "report.html"
+    page.write_text(html_report.render(html_report.load(STORED_RUN)))
+    return page
+
+
+def test_the_stored_run_renders_with_its_planted_failure_first(stored_run):
+    page = _parse(stored_run.read_text())
+    counts = {s: page.by_id[f"n-{s}"] for s in ("total", *html_report.STATUSES)}
+    assert counts == {"total": "988", "passed": "868", "failed": "23", "unsupported": "97", "crashed": "0"}  # fmt: skip
+    assert page.rows["failure-list"][1][1:4] == [PLANTED_RUN_CASE, "failed", "params, step 2"]
+    assert len(page.rows["failure-list"]) == 1 + 23
+
+
+@needs_chromium
+def test_the_stored_run_in_chromium(stored_run):
+    row = PLANTED_RUN_CASE.split("/", 1)[1]
+    seen = _read_report(stored_run, row)
+    assert "23 failed, 0 crashed of 988" in seen["text"]
+    assert seen["counts"] == {"total": "988", "passed": "868", "failed": "23", "unsupported": "97", "crashed": "0"}  # fmt: skip
+    assert seen["perImpl"]["fsdp_lite_planted"] == ["348", "325", "1", "22", "0", "303"]
+    assert seen["perImpl"]["torch_fsdp1"][:5] == ["320", "256", "22", "42", "0"]
+    # the planted case first and on the first screen, in red; then torch FSDP1's 22
+    assert seen["failures"][0][1:4] == [PLANTED_RUN_CASE, "failed", "params, step 2"]
+    assert [f[1].split("/")[0] for f in seen["failures"][1:]] == ["torch_fsdp1"] * 22
+    assert seen["firstBottom"] < seen["screen"] and seen["firstColour"] == RED
+    assert seen["open"][0] == {"id": "f0", "charts": 4}
+    # its heat map row red in the planted implementation's columns only
+    cells = seen["heat"][row]
+    assert cells[:10] == [RED] * 10 and RED not in cells[10:]
+    assert seen["allRows"] == 348
+    assert seen["typed"] == [[row], "1 rows shown"]
+    assert len(seen["failingOnly"][0]) == 23 and row in seen["failingOnly"][0]
+
+
+def test_a_compressed_report_loads(tmp_path):
+    text = json.dumps(synthetic(20)).encode()
+    (tmp_path / "r.json.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "r.json.xz").write_bytes(lzma.compress(text))
+    assert html_report.load(tmp_path / "r.json.gz") == html_report.load(tmp_path / "r.json.xz")
+    (tmp_path / "e.jsonl.xz").write_bytes(lzma.compress(b'{"event": "run"}\n'))
+    with pytest.raises(ValueError, match="must hold a --json report"):
+        html_report.load(tmp_path / "e.jsonl.xz")
