@@ -207,12 +207,25 @@ def check_non_root_refusals_in_torchs_words(rank: int, world_size: int) -> None:
         model[2] = cls(model[2], **extra)
         wrapped = cls(model, **extra)
         wrapped(torch.ones(2, 4)).sum().backward()
-        for call in (lambda: wrapped.module[2].clip_grad_norm_(2.0),
-                     lambda: wrapped.module[2].no_sync().__enter__()):  # fmt: skip
-            with pytest.raises(RuntimeError) as info:
-                call()
-            said.append(str(info.value))
+        inner = wrapped.module[2]
+        with pytest.raises(RuntimeError) as info:
+            inner.clip_grad_norm_(2.0)
+        said.append(str(info.value))
+        with pytest.raises(RuntimeError) as info:
+            inner.no_sync().__enter__()
+        said.append(str(info.value))
     assert said[:2] == said[2:], said
+
+
+def check_param_init_fn_not_callable_as_torch(rank: int, world_size: int) -> None:
+    """``param_init_fn=42`` on a meta-device module: torch FSDP1's ValueError, whose words
+    ("to be callable") its test_bad_arg_meta matches."""
+    for cls, extra in (
+        (fsdp_lite.FullyShardedDataParallel, {}),
+        (native.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+    ):
+        with pytest.raises(ValueError, match="to be callable"):
+            cls(nn.Linear(2, 2, device="meta"), param_init_fn=42, **extra)
 
 
 CHECKS = {
@@ -225,6 +238,7 @@ CHECKS = {
     "ignoring_the_wrapped_module_warns": check_ignoring_the_wrapped_module_warns,
     "ignored_module_outside_the_wrapped_one": check_ignored_module_outside_the_wrapped_one,
     "non_root_refusals_in_torchs_words": check_non_root_refusals_in_torchs_words,
+    "param_init_fn_not_callable_as_torch": check_param_init_fn_not_callable_as_torch,
 }
 
 

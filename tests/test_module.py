@@ -65,8 +65,8 @@ BAD_INPUT = {
     ),
     "param_init_fn_not_callable": (
         lambda m, g: FSDP(m, param_init_fn=3),
-        TypeError,
-        "param_init_fn must be callable",
+        ValueError,  # torch FSDP1's class; its words too ("to be callable")
+        "param_init_fn must be callable: expected 3 to be callable",
     ),
     "policy_not_callable": (
         lambda m, g: FSDP(m, auto_wrap_policy=5),

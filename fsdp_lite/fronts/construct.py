@@ -319,7 +319,11 @@ def _disk_store(cpu_offload: CPUOffload | None, rank: int, needs: list[int]) -> 
 
 def _check_init_fn(param_init_fn: Any) -> None:
     if param_init_fn is not None and not callable(param_init_fn):
-        raise TypeError(f"param_init_fn must be callable, got {type(param_init_fn).__name__}")
+        # torch FSDP1's class and words (its test_bad_arg_meta matches "to be callable")
+        raise ValueError(
+            f"param_init_fn must be callable: expected {param_init_fn!r} to be callable but got "
+            f"{type(param_init_fn)}"
+        )
 
 
 # Per-unit arguments torch FSDP1 takes from a CustomPolicy (each nested FSDP is an instance of its
