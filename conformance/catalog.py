@@ -670,4 +670,20 @@ CATALOG: tuple[Bug, ...] = (
         ),
         first=("*/FULL_SHARD/bf16/policy_override/*",),
     ),
+    # ---- hpZ: FSDP2's int reshard_after_forward, at 4 ranks ----------------------------------------
+    _bug(
+        "hpz_keeps_the_mirrored_block",
+        "resharding",
+        "after forward each rank of a 2-rank hpZ group keeps its partner's rows (its position "
+        "in the group read in reverse): backward gathers the unit's shards in the wrong order",
+        "",
+        P(
+            "engine/unit.py",
+            "        first = dist.get_rank(group) * per\n",
+            "        first = (dist.get_world_size(group) - 1 - dist.get_rank(group)) * per  # planted\n",
+        ),
+        first=("*/FULL_SHARD/fp32/hpz/*",),
+        world_size=4,
+        impl="fsdp_lite_fsdp2",
+    ),
 )

@@ -23,6 +23,7 @@ __all__ = [
     "FEATURES",
     "OPTIMIZERS",
     "PRECISIONS",
+    "RANKS_FEATURES",
     "Case",
     "Feature",
     "Precision",
@@ -271,6 +272,14 @@ FEATURES = {
             "FSDP2's units with reshard_after_forward the opposite of the root's",
             wrap_variant="mixed_reshard",
         ),
+        # Only in a matrix of 4 or more ranks (RANKS_MATRIX): hpZ's group must divide the shard
+        # group's size and be neither 1 nor all of it.
+        Feature(
+            "hpz",
+            "FSDP2's units with reshard_after_forward=2 (ZeRO++'s hpZ): after forward each rank "
+            "keeps its share of 2 ranks' rows, and backward gathers within those 2 ranks",
+            wrap_variant="hpz",
+        ),
         # The offload features below are EXTRA_FEATURES: run only for implementations that list
         # them (Adapter.features), since torch FSDP has no equivalent of any of them.
         Feature(
@@ -307,7 +316,13 @@ class Slice:
 
 
 _ALL_STRATEGIES = CORE_STRATEGIES + EXTRA_STRATEGIES
-_LOOP_FEATURES = tuple(f for f in FEATURES if f != "tied_weights" and f not in EXTRA_FEATURES)
+# Features that need more ranks than the default 2: only in RANKS_MATRIX.
+RANKS_FEATURES = ("hpz",)
+_LOOP_FEATURES = tuple(
+    f
+    for f in FEATURES
+    if f != "tied_weights" and f not in EXTRA_FEATURES and f not in RANKS_FEATURES
+)
 
 # Every feature with one transformer, in every precision. The transformer has no tied weights, so
 # a tied-weights bug fails only the tied_weights case (which trains lm, the same model tied).
@@ -344,6 +359,9 @@ DEFAULT_MATRIX = (
         _ALL_STRATEGIES, ("fp32", "bf16"), ("disk_offload", "disk_offload_optimizer"), ("wide_lm",)
     ),
 )
+# Added to the default matrix at 4 or more ranks (the nightly's --nproc 4): what 2 ranks cannot
+# show. HYBRID_SHARD is already in DEFAULT_MATRIX; at 4 ranks its mesh is 2 replicas x 2 shards.
+RANKS_MATRIX = (Slice(("FULL_SHARD",), ("fp32", "bf16"), RANKS_FEATURES, ("lm_untied",)),)
 QUICK_MATRIX = (
     Slice(
         CORE_STRATEGIES,
@@ -447,6 +465,8 @@ def build_matrix(
             slices = MODEL_QUICK_MATRIX if quick else MODEL_MATRIX
         else:
             slices = QUICK_MATRIX if quick else DEFAULT_MATRIX
+            if not quick and world_size >= 4:
+                slices += RANKS_MATRIX
         for impl in impls:
             known = set(known_strategies.get(impl, ()))
             features_known = set((known_features or {}).get(impl, ()))

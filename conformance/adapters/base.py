@@ -122,7 +122,7 @@ class WrapRequest:
 
 # The features' construction paths and setters (matrix.Feature.wrap_variant) each API family has.
 FSDP1_VARIANTS = ("sync_module_states", "meta_init", "apply", "summon_writeback", "policy_override")
-FSDP2_VARIANTS = ("meta_init", "shard_dim1", "keep_after_backward", "mixed_reshard")
+FSDP2_VARIANTS = ("meta_init", "shard_dim1", "keep_after_backward", "mixed_reshard", "hpz")
 # policy_override: the units' sharding strategy, overridden per unit by a CustomPolicy; the same
 # reduction at every world size the matrix runs (only when parameters are gathered changes).
 OVERRIDDEN_STRATEGY = {

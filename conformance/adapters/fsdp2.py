@@ -54,6 +54,11 @@ class TorchFSDP2Adapter(Adapter):
             # FSDP2 always prefetches the previous unit in pre-backward; an explicit
             # set_modules_to_backward_prefetch([]) falls back to that same default.
             return f"FSDP2 has no backward_prefetch={prefetch} mode"
+        if FEATURES[case.feature].wrap_variant == "hpz":
+            if case.strategy != "FULL_SHARD":
+                return "hpZ (an int reshard_after_forward) is a FULL_SHARD variant here"
+            if case.world_size < 4 or case.world_size % 2:
+                return f"hpZ's 2-rank groups must divide {case.world_size} ranks, neither 1 nor all"
         return None
 
     def wrap_variants(self) -> list[str]:
@@ -105,6 +110,8 @@ class TorchFSDP2Adapter(Adapter):
         unit_kwargs = dict(kwargs)
         if variant == "mixed_reshard":
             unit_kwargs["reshard_after_forward"] = not kwargs["reshard_after_forward"]
+        elif variant == "hpz":  # the root keeps True: torch reshards no root after forward anyway
+            unit_kwargs["reshard_after_forward"] = 2
         for unit in request.units:
             fully_shard(unit, **unit_kwargs)
         fully_shard(model, **kwargs)
