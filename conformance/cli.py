@@ -58,6 +58,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="a small subset (CI smoke test)")
     parser.add_argument(
+        "--all",
+        action="store_true",
+        help="every axis one launch can run, for a nightly job: the default matrix and every "
+        "optimizer's (--optimizers sgd,adamw,muon); at 4 or more ranks the default matrix adds "
+        "hpZ. Across world sizes is --world-sizes, a run of its own (docs/conformance.md)",
+    )
+    parser.add_argument(
         "--optimizers",
         default="sgd",
         metavar="NAME,...",
@@ -201,6 +208,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(f"--jsonl {args.jsonl}: its directory does not exist")
     from conformance.matrix import OPTIMIZERS
 
+    if args.all:
+        if args.quick or args.optimizers != "sgd":
+            parser.error("--all runs every optimizer's full matrix: drop --quick and --optimizers")
+        args.optimizers = ",".join(OPTIMIZERS)
     args.optimizers = [o for o in args.optimizers.split(",") if o]
     unknown = [o for o in args.optimizers if o not in OPTIMIZERS]
     if unknown or not args.optimizers:
@@ -237,6 +248,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                 ("--shard", args.shard is not None),
                 ("--case", bool(args.case)),
                 ("--quick", args.quick),
+                ("--all", args.all),
                 ("--junit", args.junit is not None),
                 ("--html", args.html is not None),
                 ("--optimizers", args.optimizers != ["sgd"]),

@@ -51,6 +51,13 @@ def test_optimizers_flag():
         parse_args(["--optimizers", "adam"])
 
 
+def test_all_is_every_optimizer_and_refuses_a_smaller_matrix():
+    assert parse_args(["--all"]).optimizers == list(OPTIMIZERS)
+    for clash in (["--quick"], ["--optimizers", "sgd,adamw"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--all", *clash])
+
+
 def test_muon_takes_the_2d_weights_but_the_embeddings():
     model = spec("lm_untied").build(0)
     names = matrix_names(model)
