@@ -105,11 +105,7 @@ FEATURES = (
         ("*/keep_after_backward/*",),
     ),
     Documented("per-unit reshard_after_forward", "docs/fsdp2.md", ("*/mixed_reshard/*",)),
-    Documented(
-        "reshard_after_forward=k (hpZ)",
-        "docs/fsdp2.md",
-        why="not in the matrix (needs 4 ranks): tests/test_reshard_to_smaller_group.py",
-    ),
+    Documented("reshard_after_forward=k (hpZ)", "docs/fsdp2.md", ("*/hpz/*",)),
     Documented(
         "set_modules_to_forward_prefetch / _backward_prefetch",
         "docs/fsdp2.md",
@@ -143,14 +139,15 @@ def counts() -> dict[str, dict[str, int]]:
     adapters = {name: get_adapter(name) for name in IMPLS}
     known = {name: a.strategies() for name, a in adapters.items()}
     extra = {name: a.features() for name, a in adapters.items()}
-    matrices = {
-        "quick": dict(quick=True),
-        "default": dict(),
-        "optimizers": dict(optimizers=("adamw", "muon")),
+    matrices = {  # label: (world size, build_matrix's options)
+        "quick": (2, dict(quick=True)),
+        "default": (2, dict()),
+        "ranks4": (4, dict()),
+        "optimizers": (2, dict(optimizers=("adamw", "muon"))),
     }
     runnable = {}
-    for label, kwargs in matrices.items():
-        cases, _ = build_matrix(list(IMPLS), known, 2, known_features=extra, **kwargs)
+    for label, (world_size, kwargs) in matrices.items():
+        cases, _ = build_matrix(list(IMPLS), known, world_size, known_features=extra, **kwargs)
         runnable[label] = [c.name for c in cases if _supported(adapters[c.impl], c)]
     table = {}
     for row in FEATURES:
@@ -174,15 +171,16 @@ def _supported(adapter, case) -> bool:
 
 def markdown(table: dict[str, dict[str, int]]) -> str:
     lines = [
-        "| documented feature | page | --quick | default | --optimizers adamw,muon |",
-        "|---|---|---|---|---|",
+        "| documented feature | page | --quick | default | default at 4 ranks | "
+        "--optimizers adamw,muon |",
+        "|---|---|---|---|---|---|",
     ]
     for row in FEATURES:
         n = table[row.feature]
         if row.patterns:
-            cells = f"{n['quick']} | {n['default']} | {n['optimizers']}"
+            cells = f"{n['quick']} | {n['default']} | {n['ranks4']} | {n['optimizers']}"
         else:
-            cells = f"none | none | none: {row.why}"
+            cells = f"none | none | none | none: {row.why}"
         lines.append(f"| {row.feature} | {row.doc} | {cells} |")
     return "\n".join(lines) + "\n"
 
