@@ -589,7 +589,7 @@ CATALOG: tuple[Bug, ...] = (
         "facebookresearch/fairscale#179, #180 (AMP with sharded grads hangs or diverges); "
         "pytorch/pytorch#115710",
         P(
-            "sharded_grad_scaler.py",
+            "optim/grad_scaler.py",
             "            dist.all_reduce(flag, group=self.process_group)  # > 0 on every rank if on any\n",
             "            pass  # planted\n",
         ),
@@ -601,7 +601,7 @@ CATALOG: tuple[Bug, ...] = (
         "the sharded grad scaler checks and unscales only the first gradient of each dtype",
         "facebookresearch/fairscale#890 (only the first tensor was checked for inf/nan)",
         P(
-            "sharded_grad_scaler.py",
+            "optim/grad_scaler.py",
             "                        tensors, per_device_found_inf.get(device), "
             "per_device_inv_scale.get(device)\n",
             "                        tensors[:1], per_device_found_inf.get(device), "

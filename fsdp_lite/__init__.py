@@ -33,10 +33,10 @@ from fsdp_lite.fronts.fsdp2 import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from fsdp_lite.muon import Muon
+from fsdp_lite.optim.muon import Muon
+from fsdp_lite.optim.whole_matrix import WholeMatrix
 from fsdp_lite.tools.launch import distributed
 from fsdp_lite.tools.order import set_collective_order_check
-from fsdp_lite.whole_matrix import WholeMatrix
 
 __all__ = [
     "BackwardPrefetch",

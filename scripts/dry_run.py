@@ -20,7 +20,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from conformance.models import Block, GPTConfig, TinyLM
 from fsdp_lite import FullyShardedDataParallel as FSDP
-from fsdp_lite.estimate import estimate
+from fsdp_lite.tools.estimate import estimate
 from fsdp_lite.tools.launch import leave_together
 from fsdp_lite.wrap import transformer_auto_wrap_policy
 

@@ -47,7 +47,7 @@ from fsdp_lite import (
 )
 from fsdp_lite.demo import PROCESS_GROUP_TIMEOUT, human_bytes, say
 from fsdp_lite.engine.collectives import all_gather_objects
-from fsdp_lite.estimate import estimate
+from fsdp_lite.tools.estimate import estimate
 from fsdp_lite.tools.launch import launch_module, leave_together
 from fsdp_lite.tools.trace_view import write_trace_html
 from fsdp_lite.trace import (

@@ -243,7 +243,7 @@ def _fp16_scaler(out: Path, rank: int) -> None:
     from accelerate import Accelerator
 
     from fsdp_lite.integrations.accelerate import as_fsdp_lite_accelerator
-    from fsdp_lite.sharded_grad_scaler import ShardedGradScaler
+    from fsdp_lite.optim.grad_scaler import ShardedGradScaler
 
     accelerator = Accelerator(cpu=True)
     accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)

@@ -39,9 +39,9 @@ from fsdp_lite import (
 from fsdp_lite import (
     FullyShardedDataParallel as FSDP,
 )
-from fsdp_lite.estimate import estimate
-from fsdp_lite.muon import Muon
-from fsdp_lite.whole_matrix import WholeMatrix
+from fsdp_lite.optim.muon import Muon
+from fsdp_lite.optim.whole_matrix import WholeMatrix
+from fsdp_lite.tools.estimate import estimate
 from fsdp_lite.wrap import CustomPolicy, ModuleWrapPolicy, enable_wrap, wrap
 from tests.parity import build_model
 from tests.ranks import run_ranks
@@ -731,7 +731,7 @@ NOT_IN_THE_TABLE = {
     ("engine/canonical.py", "1D float32"): _TREE_INVARIANT,
     ("engine/canonical.py", "is in no piece"): _TREE_INVARIANT,
     (
-        "whole_matrix.py",
+        "optim/whole_matrix.py",
         ": fn returned shape",
     ): "the user function's own bug, raised on its owner only (the other ranks wait in the "
     "exchange until the process group's timeout)",
@@ -747,7 +747,7 @@ NOT_IN_THE_TABLE = {
         "state/optim_state.py",
         "",
     ): "the type check's TypeError as a ValueError: row [rekey_as_string]",
-    ("estimate.py", ""): "KeyError(name), as a dict's: row [estimate_unknown_strategy]",
+    ("tools/estimate.py", ""): "KeyError(name), as a dict's: row [estimate_unknown_strategy]",
     ("tools/order.py", ""): "the message is built by order.py's _describe: the order rows show it",
     ("demo.py", "state_dict keys differ"): "the demo's own check of its result, not user input",
     ("demo.py", "has shape"): "the demo's own check of its result, not user input",

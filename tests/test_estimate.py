@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_lite.estimate import PAPER, STRATEGY_SHARDING, estimate, main, unit_numels
+from fsdp_lite.tools.estimate import PAPER, STRATEGY_SHARDING, estimate, main, unit_numels
 
 NUMEL = 7.5e9
 

@@ -17,10 +17,25 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_lite"
 
 # Lowest first: a module may import its own layer and those before it.
-LAYERS = ("base", "engine", "state", "tools", "fronts", "integrations", "top")
+# optim/ and canonical/ are features on the engine: the engine imports neither.
+LAYERS = (
+    "base",
+    "engine",
+    "optim",
+    "canonical",
+    "state",
+    "tools",
+    "fronts",
+    "integrations",
+    "top",
+)
 # Base modules sit at the package's top level and import nothing above them; every other
-# top-level module (__init__, the two command-line tools, public re-exports) is "top".
-BASE = {"api", "names", "wrap", "sharded_grad_scaler"}
+# top-level module (__init__, the demo, public re-exports) is "top".
+BASE = {"api", "names", "wrap"}
+# What may sit at the package's top: the public faces, the demo, and re-exports that keep a
+# documented import path (each a few lines that import one module of a folder).
+TOP_LEVEL = {"__init__", "api", "names", "wrap", "demo"}
+SHIMS = {"checkpoint", "disk_offload", "estimate", "sharded_grad_scaler", "trace"}
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -99,6 +114,21 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_fsdp_lite_imports_form_a_dag():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle in fsdp_lite/: " + " -> ".join(cycle)
+
+
+def test_no_feature_module_at_the_package_top():
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top - TOP_LEVEL - SHIMS == set(), "modules loose at fsdp_lite/'s top"
+    graph = import_graph()
+    for shim in SHIMS:  # a shim only re-exports: one module, below the top, and no code of its own
+        (target,) = graph[shim]
+        assert layer_of(target) != "top", (shim, target)
+        code = [
+            node
+            for node in ast.parse((PACKAGE / f"{shim}.py").read_text()).body
+            if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Expr, ast.If))
+        ]
+        assert not code, f"{shim}.py does more than re-export"
 
 
 def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function_level_import(tmp_path):

@@ -41,7 +41,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException  # 
 from fsdp_lite import FullStateDictConfig, MixedPrecision, StateDictType, fully_shard  # noqa: E402
 from fsdp_lite import FullyShardedDataParallel as FSDP  # noqa: E402
 from fsdp_lite.integrations import lightning as lite  # noqa: E402
-from fsdp_lite.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
+from fsdp_lite.optim.grad_scaler import ShardedGradScaler  # noqa: E402
 from fsdp_lite.wrap import wrap  # noqa: E402
 from tests.ranks import run_checks, run_ranks  # noqa: E402
 

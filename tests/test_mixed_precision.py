@@ -330,7 +330,7 @@ def _fp16_scaler_rank(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import MixedPrecision as NativeMP
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as NativeScaler
 
-    from fsdp_lite.sharded_grad_scaler import ShardedGradScaler
+    from fsdp_lite.optim.grad_scaler import ShardedGradScaler
 
     kw = dict(param_dtype=torch.float16, reduce_dtype=torch.float32)
     ours = FSDP(build("lm"), auto_wrap_policy=POLICY, mixed_precision=MixedPrecision(**kw))

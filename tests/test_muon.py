@@ -1,4 +1,4 @@
-"""fsdp_lite.muon.Muon on sharded parameters, parameters and momentum after 10 steps, bitwise:
+"""fsdp_lite.optim.muon.Muon on sharded parameters, parameters and momentum after 10 steps, bitwise:
 
 - at 2 ranks, DDP + torch.optim.Muon (the single-device math on the same averaged gradient):
   FSDP1 FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, SHARD_OPTIM and fully_shard (rows or columns cut,
@@ -32,7 +32,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_lite
-from fsdp_lite.muon import Muon
+from fsdp_lite.optim.muon import Muon
 from tests.ranks import run_checks, run_ranks
 
 STEPS = 10
@@ -246,7 +246,7 @@ CHECKS = {kind: _exact(kind) for kind in KINDS}
 
 
 def _torch_muon_on_shards_is_off(rank: int, world_size: int) -> None:
-    """The reason for fsdp_lite.muon: torch's Muon on torch FSDP2's shards is not Muon."""
+    """The reason for fsdp_lite.optim.muon: torch's Muon on torch FSDP2's shards is not Muon."""
     ref = _ddp(world_size, rank)[0]
     got, _ = _train("torch_fsdp2", torch.optim.Muon, rank)
     worst = max((got[n] - ref[n]).abs().max().item() for n in ref)
@@ -315,7 +315,7 @@ def _whole_matrix_hook(rank: int, world_size: int) -> None:
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from fsdp_lite.whole_matrix import WholeMatrix
+    from fsdp_lite.optim.whole_matrix import WholeMatrix
 
     mesh = init_device_mesh("cpu", (world_size,))
     layouts = [((16, 24), Shard(0)), ((24, 16), Shard(0)), ((5, 8), Shard(0)), ((7, 3), Shard(1))]
@@ -355,7 +355,7 @@ def _refusals(rank: int, world_size: int) -> None:
     from torch.distributed.tensor import DTensor, Partial
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from fsdp_lite.whole_matrix import WholeMatrix
+    from fsdp_lite.optim.whole_matrix import WholeMatrix
 
     unnamed = init_device_mesh("cpu", (2, 2))
     twice = DTensor.from_local(torch.ones(8, 3), unnamed, [Shard(0), Shard(1)])

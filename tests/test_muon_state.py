@@ -39,7 +39,7 @@ import fsdp_lite
 import fsdp_lite.checkpoint
 from fsdp_lite import FullyShardedDataParallel as FSDP
 from fsdp_lite.canonical import Canonical
-from fsdp_lite.muon import Muon
+from fsdp_lite.optim.muon import Muon
 from tests.ranks import run_checks, run_ranks
 
 MUON = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw", "nesterov": True}

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdp_lite.engine.unit import owns_unit, unit_owners
 from fsdp_lite.fronts.fsdp1 import FullyShardedModule
-from fsdp_lite.sharded_grad_scaler import ShardedGradScaler
+from fsdp_lite.optim.grad_scaler import ShardedGradScaler
 from fsdp_lite.state import checkpoint
 
 __all__ = [

@@ -56,7 +56,7 @@ from fsdp_lite.api import (
 from fsdp_lite.fronts.construct import ARGUMENTS
 from fsdp_lite.fronts.fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp_lite.fronts.interop import TorchFSDPModule
-from fsdp_lite.sharded_grad_scaler import ShardedGradScaler
+from fsdp_lite.optim.grad_scaler import ShardedGradScaler
 from fsdp_lite.state.checkpoint import _init_optim_state
 
 __all__ = ["FSDPLitePrecision", "FSDPLiteStrategy", "register"]

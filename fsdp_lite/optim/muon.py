@@ -30,7 +30,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
 from fsdp_lite.engine.observe import Observer
-from fsdp_lite.whole_matrix import WholeMatrix
+from fsdp_lite.optim.whole_matrix import WholeMatrix
 
 __all__ = ["Muon"]
 

@@ -1,0 +1,9 @@
+"""The canonical reduction mode: the same bits at any world size (docs/invariance.md).
+
+``Canonical`` (mode.py) drives the engine's fixed-tree sums (engine/canonical.py) over a global
+batch's micro-batches; the engine knows nothing of this package (tests/test_import_graph.py).
+"""
+
+from fsdp_lite.canonical.mode import SCHEDULES, Canonical
+
+__all__ = ["SCHEDULES", "Canonical"]
