@@ -228,6 +228,31 @@ def check_param_init_fn_not_callable_as_torch(rank: int, world_size: int) -> Non
             cls(nn.Linear(2, 2, device="meta"), param_init_fn=42, **extra)
 
 
+def check_mixed_precision_kept_classes_warn_as_torch(rank: int, world_size: int) -> None:
+    """BatchNorm (``MixedPrecision._module_classes_to_ignore``) under mixed precision and a
+    policy: both wrap it in full precision and warn in torch's words (its test_mp_batchnorm
+    matches "These modules will be wrapped as separate FSDP"); a model without one: no warning."""
+    for cls, mp_cls, extra in (
+        (fsdp_lite.FullyShardedDataParallel, fsdp_lite.MixedPrecision, {}),
+        (native.FullyShardedDataParallel, native.MixedPrecision, {"device_id": "cpu"}),
+    ):
+        mp = mp_cls(param_dtype=torch.float16)
+        for model, warns in (
+            (nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)), True),
+            (_net(), False),
+        ):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                wrapped = cls(model, mixed_precision=mp, auto_wrap_policy=lambda *a, **k: False,
+                              **extra)  # fmt: skip
+            said = [str(w.message) for w in seen if "wrapped as separate FSDP" in str(w.message)]
+            assert bool(said) == warns, (cls, said)
+            if warns:
+                assert isinstance(wrapped.module[1], cls)
+                assert wrapped.module[1].mixed_precision == mp_cls()
+                assert wrapped.mixed_precision == mp
+
+
 CHECKS = {
     "public_attributes": check_public_attributes,
     "clip_grad_norm_dtype_and_warning": check_clip_grad_norm_dtype_and_warning,
@@ -239,6 +264,7 @@ CHECKS = {
     "ignored_module_outside_the_wrapped_one": check_ignored_module_outside_the_wrapped_one,
     "non_root_refusals_in_torchs_words": check_non_root_refusals_in_torchs_words,
     "param_init_fn_not_callable_as_torch": check_param_init_fn_not_callable_as_torch,
+    "mixed_precision_kept_classes_warn_as_torch": check_mixed_precision_kept_classes_warn_as_torch,
 }
 
 

@@ -174,9 +174,19 @@ class FullyShardedModule(nn.Module):
         if policy is None:
             return config
         if mixed_precision is not None:
+            kept = {}  # the classes met, in order, for the warning
             for m in module.modules():
                 if isinstance(m, tuple(mixed_precision._module_classes_to_ignore)):
                     keep_in_full_precision(m)
+                    kept[type(m)] = None
+            if kept:  # torch FSDP1's warning, whose words its test_mp_batchnorm matches
+                warnings.warn(
+                    "Both mixed precision and an auto_wrap_policy were specified to FSDP, "
+                    f"where the wrapped module has submodules of type:\n{set(kept)}\n"
+                    "These modules will be wrapped as separate FSDP instances with mixed "
+                    "precision disabled.",
+                    stacklevel=3,
+                )
         # Nested wrappers get the root's arguments explicitly, so that a policy's override (e.g.
         # mixed_precision=None for BatchNorm) replaces them; _Nesting tells overrides apart.
         root_kwargs = {**kwargs, "sharding_strategy": config.strategy}
