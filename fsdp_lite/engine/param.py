@@ -97,6 +97,7 @@ __all__ = [
     "dtensor_like",
     "ReplicatedCopyParam",
     "ReplicatedParam",
+    "ParamOptions",
     "ShardedParam",
     "SpmdLayout",
     "refuse_all_gather_extension",
@@ -157,6 +158,21 @@ class SpmdLayout:
     @property
     def dp_dims(self) -> frozenset[int]:
         return frozenset(d for d in (self.shard_dim, self.replicate_dim) if d is not None)
+
+
+@dataclass(frozen=True)
+class ParamOptions:
+    """How one parameter is built beyond its place in the unit: the dtype forward runs in, where
+    its shard and its forward copy live, a buffer it must live in (meta init), its files (disk
+    offload), the dim it is cut on and an SPMD mesh (``new_param``'s choices come from these)."""
+
+    compute_dtype: torch.dtype | None = None  # MixedPrecision.param_dtype; None: its own
+    storage_device: torch.device | None = None  # the shard's (CPU under CPUOffload)
+    compute_device: torch.device | None = None  # where forward runs; None: where it is
+    unsharded_buffer: torch.Tensor | None = None  # meta init's buffer for the unsharded copy
+    disk: DiskStore | None = None  # disk offload's files
+    shard_dim: int = 0
+    spmd: SpmdLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -504,14 +520,11 @@ class ShardedParam(Param):
         mesh: DeviceMesh | None,
         rank: int,
         world_size: int,
-        compute_dtype: torch.dtype | None = None,
-        storage_device: torch.device | None = None,
-        compute_device: torch.device | None = None,
-        unsharded_buffer: torch.Tensor | None = None,
-        disk: DiskStore | None = None,
-        shard_dim: int = 0,
-        spmd: SpmdLayout | None = None,
+        options: ParamOptions = ParamOptions(),
     ) -> None:
+        compute_dtype, storage_device = options.compute_dtype, options.storage_device
+        compute_device, unsharded_buffer = options.compute_device, options.unsharded_buffer
+        disk, shard_dim, spmd = options.disk, options.shard_dim, options.spmd
         if orig_param.dim() == 0:
             raise NotImplementedError(
                 f"parameter {fqn!r} is 0-dimensional; sharding on dim 0 needs at least one dim"
@@ -974,31 +987,16 @@ def new_param(
     rank: int,
     world_size: int,
     shard: bool,
-    compute_dtype: torch.dtype | None = None,
-    storage_device: torch.device | None = None,
-    compute_device: torch.device | None = None,
-    unsharded_buffer: torch.Tensor | None = None,
-    disk: DiskStore | None = None,
-    shard_dim: int = 0,
-    spmd: SpmdLayout | None = None,
+    options: ParamOptions = ParamOptions(),
 ) -> Param:
     """The kind of ``orig_param`` the strategy and its dtypes and devices call for (Note
     [Parameter kinds]), built: the one place the kind is chosen."""
     common = (orig_param, locations, fqn, mesh, rank, world_size)
     if shard:
-        return ShardedParam(
-            *common,
-            compute_dtype=compute_dtype,
-            storage_device=storage_device,
-            compute_device=compute_device,
-            unsharded_buffer=unsharded_buffer,
-            disk=disk,
-            shard_dim=shard_dim,
-            spmd=spmd,
-        )
-    compute = compute_device or orig_param.device
-    storage = storage_device or compute
-    dtype = compute_dtype or orig_param.dtype
+        return ShardedParam(*common, options)
+    compute = options.compute_device or orig_param.device
+    storage = options.storage_device or compute
+    dtype = options.compute_dtype or orig_param.dtype
     if dtype != orig_param.dtype or storage != compute:
         return ReplicatedCopyParam(*common, dtype, storage, compute)
     return ReplicatedParam(*common, storage)

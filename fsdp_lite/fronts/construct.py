@@ -41,6 +41,7 @@ from fsdp_lite.engine.mixed_precision import (
 from fsdp_lite.engine.offload import with_local
 from fsdp_lite.engine.param import (
     Param,
+    ParamOptions,
     SpmdLayout,
     TensorParallel,
     new_param,
@@ -755,13 +756,15 @@ def _build_unit(
             rank,
             world_size,
             shard=config.rules.shard_params,
-            compute_dtype=config.precision.param_dtype,
-            storage_device=config.storage_device,
-            compute_device=config.device,
-            unsharded_buffer=buffers.get(p),
-            disk=config.disk,
-            shard_dim=dim_of.get(names[p], 0),
-            spmd=config.spmd,
+            options=ParamOptions(
+                compute_dtype=config.precision.param_dtype,
+                storage_device=config.storage_device,
+                compute_device=config.device,
+                unsharded_buffer=buffers.get(p),
+                disk=config.disk,
+                shard_dim=dim_of.get(names[p], 0),
+                spmd=config.spmd,
+            ),
         )
         for p in ordered
     ]
