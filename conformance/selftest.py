@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import importlib
 import json
 import os
 import shutil
@@ -183,9 +184,19 @@ def run(args: argparse.Namespace, launch) -> int:
     return int(any(k.status == "missed" for k in ordered))
 
 
-def _run_group(args, launch, work: Path, group: list[Bug], roots, control: str, world_size: int):
-    """Every entry of ``group`` at ``world_size``: launches until each has an outcome, then one
-    launch of the clean copy on the cases that caught them."""
+def _run_group(
+    args, launch, work: Path, group: list[Bug], roots, control: str, world_size: int, confirm=True
+):
+    """Every entry of ``group`` at ``world_size``: launches until each has an outcome, then (if
+    ``confirm``) one launch of the clean copy on the cases that caught them.
+
+    An entry may also carry (as conformance/mutants.py's do) ``impls``, several adapters in place
+    of ``impl``; ``cases``, the only case names to run; ``modules``, modules imported right after
+    the copy, so that one that fails to import is told apart from a case that fails;
+    ``exitfirst`` False to run every case. ``args`` may carry ``optimizers`` (default sgd) and
+    ``coverage_dir``: where each rank writes the lines of the copies it runs that each case
+    executed (a coverage.py context per case).
+    """
     kills: dict[str, Kill] = {}
     pending = list(group)
     attempt = 0
@@ -203,9 +214,15 @@ def _run_group(args, launch, work: Path, group: list[Bug], roots, control: str, 
                     "root": roots[b.name],
                     "first": b.first,
                     "impl": b.impl,
+                    "impls": getattr(b, "impls", None),
+                    "cases": getattr(b, "cases", None),
+                    "modules": getattr(b, "modules", ()),
+                    "exitfirst": getattr(b, "exitfirst", True),
                 }
                 for b in entries
             ],
+            "optimizers": getattr(args, "optimizers", ["sgd"]),
+            "coverage": getattr(args, "coverage_dir", None),
             "control": control,
             "control_cases": control_cases,
             "quick": args.quick,
@@ -245,7 +262,7 @@ def _run_group(args, launch, work: Path, group: list[Bug], roots, control: str, 
             break
         pending = left
     killers = sorted({k.case for k in kills.values() if k.case is not None})
-    if killers:
+    if killers and confirm:
         events, _ = launch_plan([], killers)
         failed = next((e["failed"] for e in events if e["event"] == "control"), None)
         if failed is None:  # the control launch did not finish: no kill is confirmed
@@ -295,15 +312,18 @@ def rank_main(plan_path: str, device) -> None:
             out.write(json.dumps(event) + "\n")
             out.flush()
 
-    def matrix(adapter):
+    def matrix(*adapters):
         cases, _ = build_matrix(
-            [adapter.name],
-            {adapter.name: adapter.strategies()},
+            [a.name for a in adapters],
+            {a.name: a.strategies() for a in adapters},
             world_size,
             quick=plan["quick"],
-            known_features={adapter.name: adapter.features()},
+            known_features={a.name: a.features() for a in adapters},
+            optimizers=plan.get("optimizers", ["sgd"]),
         )
         return cases
+
+    coverage = _case_coverage(plan["coverage"], rank) if plan.get("coverage") else None
 
     # The references depend on the implementation only through its adapter's declared semantics
     # (ReferenceCache.key), not its code.
@@ -315,7 +335,7 @@ def rank_main(plan_path: str, device) -> None:
         wanted = set(plan["control_cases"])
         adapters = [get_adapter(n) for n in sorted({c.partition("/")[0] for c in wanted})]
         control = run_cases(
-            [c for a in adapters for c in matrix(a) if c.name in wanted],
+            [c for c in matrix(*adapters) if c.name in wanted],
             adapters,
             steps=plan["steps"],
             device=device,
@@ -330,22 +350,37 @@ def rank_main(plan_path: str, device) -> None:
     entries = plan["entries"]
     for index, entry in enumerate(entries):
         emit({"event": "start", "name": entry["name"]})
-        load_from(entry["root"])
-        adapter = get_adapter(entry.get("impl", "fsdp_lite"))
-        cases = order_cases(matrix(adapter), tuple(entry["first"]))
+        try:
+            load_from(entry["root"])
+            for module in entry.get("modules") or ():
+                importlib.import_module(module)
+        except Exception as e:  # the copy does not import: no case can run it
+            stage = f"import error: {type(e).__name__}: {e}".splitlines()[0][:160]
+            kill = Kill(entry["name"], entry["bug_class"], world_size, "caught", stage=stage)
+            emit({"event": "done", "name": entry["name"], "kill": asdict(kill)})
+            continue
+        adapters = [get_adapter(n) for n in entry.get("impls") or [entry.get("impl", "fsdp_lite")]]
+        cases = order_cases(matrix(*adapters), tuple(entry["first"]))
+        if entry.get("cases") is not None:
+            wanted = set(entry["cases"])
+            cases = [c for c in cases if c.name in wanted]
         start = time.perf_counter()
+
+        def case_started(_, case, name=entry["name"]):
+            # which case a rank died in, if one does (Note [One launch, many copies])
+            emit({"event": "case_start", "name": name, "case": case.name})
+            if coverage is not None:
+                coverage.switch_context(case.name)
+
         results = run_cases(
             cases,
-            [adapter],
+            adapters,
             steps=plan["steps"],
             device=device,
             timeout_s=plan["timeout"],
-            exitfirst=True,
+            exitfirst=entry.get("exitfirst", True),
             references=references,
-            # which case a rank died in, if one does (Note [One launch, many copies])
-            started=lambda _, case, name=entry["name"]: emit(
-                {"event": "case_start", "name": name, "case": case.name}
-            ),
+            started=case_started,
         )
         kill = Kill(
             entry["name"],
@@ -355,7 +390,7 @@ def rank_main(plan_path: str, device) -> None:
             cases_run=len(results),
             seconds=round(time.perf_counter() - start, 2),
         )
-        failed = results[-1] if results and results[-1].status == "failed" else None
+        failed = next((r for r in results if r.status == "failed"), None)
         if failed is not None:
             kill.status, kill.case, kill.stage = "caught", failed.case.name, _stage(failed)
         emit({"event": "done", "name": entry["name"], "kill": asdict(kill)})
@@ -371,8 +406,26 @@ def rank_main(plan_path: str, device) -> None:
             # connection): the entries left get a fresh launch, see Note [One launch, many copies].
             emit({"event": "restart"})
             break
+    if coverage is not None:
+        coverage.stop()
+        coverage.save()
     if out is not None:
         out.close()
+
+
+def _case_coverage(directory: str, rank: int):
+    """A started coverage.Coverage that records, per case (its context), the lines run of every
+    fsdp_lite copy this rank imports; saved under ``directory``, a data file per rank."""
+    import coverage
+
+    cov = coverage.Coverage(
+        data_file=str(Path(directory) / ".coverage"),
+        data_suffix=f"rank{rank}.{os.getpid()}",
+        include=["*/fsdp_lite/*"],
+        config_file=False,
+    )
+    cov.start()
+    return cov
 
 
 def _stage(result) -> str:
