@@ -377,7 +377,9 @@ class Judge:
     commit: str
     steps: int = 3
     timeout: float = 20.0
-    batch: int = 8
+    batch: int = 8  # mutants per launch at a --quick stage, where most die in a second
+    full_batch: int = 2  # elsewhere: a survivor there takes minutes, and results land per batch
+    equivalent: frozenset[str] = frozenset()  # ids shown equivalent: no further stage judges them
     say: Callable[[str], None] = print
     cases_cache: dict[str, list[str]] = field(default_factory=dict)
 
@@ -560,6 +562,7 @@ def judge(
             if m["id"] not in killed
             and m["id"] not in done
             and all(s in passed[m["id"]] for s in earlier)
+            and m["id"] not in judge.equivalent
         ]
         if limit is not None:
             todo = todo[: max(0, limit - judged)]
@@ -589,8 +592,9 @@ def judge(
                     ),
                 )
             )
-        for i in range(0, len(entries), judge.batch):
-            batch = entries[i : i + judge.batch]
+        size = judge.batch if stage.quick else judge.full_batch
+        for i in range(0, len(entries), size):
+            batch = entries[i : i + size]
             roots = {}
             for _, entry in batch:
                 dest = judge.work / "mutants" / entry.name
@@ -600,7 +604,7 @@ def judge(
             kills = selftest._run_group(
                 _args(judge, stage),
                 judge.launch,
-                _fresh(judge.work / f"launch-{stage.name}-{i // judge.batch}"),
+                _fresh(judge.work / f"launch-{stage.name}-{i // size}"),
                 [e for _, e in batch],
                 roots,
                 str(judge.work / "clean"),
@@ -701,22 +705,33 @@ def main_hint() -> None:  # pragma: no cover
 
 
 def score(sample, results, reasons: dict[str, str], stages: Sequence[str]) -> dict[str, Any]:
-    """Killed by the time ``stages`` have run, over the mutants judged at every one of them (or
-    killed before) and not shown equivalent (a reason starting "equivalent")."""
+    """Killed by the time ``stages`` have run, over the mutants killed there or judged at every
+    one of them, less those shown equivalent (a reason starting "equivalent"); ``pending``: the
+    mutants neither killed there, nor equivalent, nor judged at all of them yet."""
     by_id: dict[str, dict[str, str]] = {}
     for r in results:
         by_id.setdefault(r["id"], {})[r["stage"]] = r["outcome"]
-    counted = killed = equivalent = 0
+    counted = killed = equivalent = pending = 0
     for m in sample:
         outcomes = by_id.get(m["id"], {})
         if any(outcomes.get(s) == "killed" for s in stages):
             counted, killed = counted + 1, killed + 1
+        elif reasons.get(m["id"], "").startswith("equivalent"):
+            equivalent += 1  # no stage can kill it: whether judged there or not
         elif all(outcomes.get(s) == "survived" for s in stages):
-            if reasons.get(m["id"], "").startswith("equivalent"):
-                equivalent += 1
-            else:
-                counted += 1
-    return {"killed": killed, "of": counted, "equivalent": equivalent}
+            counted += 1
+        else:
+            pending += 1
+    return {"killed": killed, "of": counted, "equivalent": equivalent, "pending": pending}
+
+
+def _median(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    value = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
 def report_markdown(doc, results, reasons: dict[str, str]) -> str:
@@ -741,17 +756,41 @@ def report_markdown(doc, results, reasons: dict[str, str]) -> str:
             f"{by.get('import error', 0)} | {by.get('rank died', 0)} | {s['survived']} | "
             f"{s['not_executed']} |"
         )
+    lines += [
+        "",
+        "Cost of the mutants a stage ran (in the ranks: the mutant's cases alone; wall: its "
+        "batch's wall time, launches, imports and references included, over the batch's "
+        "mutants; a mutant no case reaches costs nothing):",
+        "",
+        "| stage | mutants run | killed: median s in the ranks | survived: median s in the ranks "
+        "(cases) | wall per mutant: mean s | wall in all: s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in summary["stages"]:
+        run = [r for r in results if r["stage"] == name and "launch_share_s" in r]
+        if not run:
+            continue
+        killed = [r["seconds"] for r in run if r["outcome"] == "killed"]
+        survived = [r for r in run if r["outcome"] == "survived"]
+        share = [r["launch_share_s"] for r in run]
+        lines.append(
+            f"| {name} | {len(run)} | {_median(killed)} | {_median([r['seconds'] for r in survived])}"
+            f" ({_median([r['cases_run'] for r in survived])}) | {sum(share) / len(share):.1f} | "
+            f"{sum(share):.0f} |"
+        )
     lines.append("")
     cumulative: list[str] = []
     for s in STAGES:
         cumulative.append(s.name)
         sc = score(sample, results, reasons, cumulative)
-        if sc["of"]:
-            pct = 100.0 * sc["killed"] / sc["of"]
-            lines.append(
-                f"- through `{s.name}` ({' + '.join(cumulative)}): {sc['killed']} of {sc['of']} "
-                f"non-equivalent mutants killed ({pct:.1f} %), {sc['equivalent']} equivalent left out"
-            )
+        if not summary["stages"][s.name]["judged"]:
+            break
+        pct = 100.0 * sc["killed"] / sc["of"] if sc["of"] else 0.0
+        lines.append(
+            f"- through `{s.name}` ({' + '.join(cumulative)}): {sc['killed']} of {sc['of']} "
+            f"non-equivalent mutants killed ({pct:.1f} %), {sc['equivalent']} equivalent left out"
+            + (f"; {sc['pending']} not judged at every stage yet" if sc["pending"] else "")
+        )
     by_id: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         by_id.setdefault(r["id"], []).append(r)
@@ -759,6 +798,15 @@ def report_markdown(doc, results, reasons: dict[str, str]) -> str:
         m for m in sample
         if by_id.get(m["id"]) and all(r["outcome"] == "survived" for r in by_id[m["id"]])
     ]  # fmt: skip
+    kinds: dict[str, int] = {}
+    for m in survivors:
+        kind = reasons.get(m["id"], "to classify").split(":")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    lines += [
+        "",
+        f"{len(survivors)} survivors so far, by reason: "
+        + ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1])),
+    ]
     lines += [
         "",
         "## Survivors so far",

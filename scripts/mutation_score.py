@@ -37,7 +37,9 @@ def parse(argv):
         help="stages to judge, in order, of " + ",".join(s.name for s in mutants.STAGES),
     )
     p.add_argument("--limit", type=int, help="judge at most this many mutants per stage this run")
-    p.add_argument("--batch", type=int, default=8, help="mutants per launch (default 8)")
+    p.add_argument(
+        "--batch", type=int, default=8, help="mutants per launch at --quick (default 8; else 2)"
+    )
     p.add_argument("--work", help="scratch directory (default a temporary one)")
     p.add_argument("--report", action="store_true", help="only write OUT.md from what is judged")
     return p.parse_args(argv)
@@ -88,6 +90,8 @@ def main(argv=None) -> int:
     prefix = Path(args.out)
     sample_path = Path(f"{prefix}_sample.json")
     results_path = Path(f"{prefix}.jsonl")
+    reasons_path = Path(f"{prefix}_reasons.json")
+    reasons = json.loads(reasons_path.read_text()) if reasons_path.exists() else {}
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         work = Path(args.work or tmp)
         if sample_path.exists():
@@ -122,14 +126,15 @@ def main(argv=None) -> int:
                 coverage_dir=results_path.parent,
                 commit=commit,
                 batch=args.batch,
+                equivalent=frozenset(
+                    i for i, why in reasons.items() if why.startswith("equivalent")
+                ),
                 say=lambda line: print(line, flush=True),
             )
             wanted = args.stages.split(",")
             stages = [s for s in mutants.STAGES if s.name in wanted]
             mutants.judge(judge, sample, stages, limit=args.limit)
     results = mutants.load_results(results_path)
-    reasons_path = Path(f"{prefix}_reasons.json")
-    reasons = json.loads(reasons_path.read_text()) if reasons_path.exists() else {}
     report = mutants.report_markdown(doc, results, reasons)
     Path(f"{prefix}.md").write_text(report)
     print(report)

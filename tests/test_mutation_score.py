@@ -204,7 +204,9 @@ def test_a_stage_judges_each_mutant_once_on_the_cases_reaching_it_and_a_rerun_re
     doc = {"mutants": sample, "tool": "t", "commit": "abc", "seed": 0, "population": 4,
            "dirs": ["fsdp_lite/engine"], "command": "c"}  # fmt: skip
     report = mutants.report_markdown(doc, results, {sample[2]["id"]: "equivalent: never runs"})
-    assert "3 of 3 non-equivalent mutants killed (100.0 %), 1 equivalent left out" in report
+    assert "3 of 3 non-equivalent mutants killed (100.0 %), 1 equivalent left out\n" in report
+    partial = mutants.report_markdown(doc, results[:2], {})
+    assert "1 of 2 non-equivalent mutants killed (50.0 %), 0 equivalent left out; 2 not " in partial
     assert "equivalent: never runs" in report
 
 
@@ -292,3 +294,24 @@ def test_a_mutant_that_is_no_python_is_passed_over_by_the_draw(tmp_path):
     assert why[0].startswith("SyntaxError") and why[1] is None
     drawn = mutants.draw(found, 2, 0, keep=lambda m: mutants.incompetent(source, m) is None)
     assert drawn == [found[1]]
+
+
+def test_a_mutant_shown_equivalent_is_judged_no_further_and_left_out_of_the_score(
+    tmp_path, monkeypatch
+):
+    package = _package(tmp_path)
+    stage = Stage("default", 2, False, only=(CASE, OTHER))
+    monkeypatch.setattr(mutants, "STAGES", (stage,))
+    sample = _sample(package, [7], "core/AddNot")
+    sample += _sample(package, [9], "core/ReplaceBinaryOperator_Mul_Add")
+    for i, m in enumerate(sample):
+        m["name"] = f"line{m['line']}-{i}"
+    ranks = FakeRanks({7: "kill", 9: "pass"})
+    judge = _judge(tmp_path, package, ranks, stage)
+    judge.equivalent = frozenset({sample[1]["id"]})
+    mutants.judge(judge, sample, [stage])
+    results = mutants.load_results(judge.out)
+    assert [r["id"] for r in results] == [sample[0]["id"]]
+    reasons = {sample[1]["id"]: "equivalent: shown by argument"}
+    got = mutants.score(sample, results, reasons, ["default"])
+    assert got == {"killed": 1, "of": 1, "equivalent": 1, "pending": 0}
