@@ -561,6 +561,10 @@ CASES: dict[str, Callable[[Ctx], object]] = {
         cpu_offload=CPUOffload(offload_params=True, offload_dir=c.tmp),
     ),
     "unfreeze_on_disk": _unfreeze_on_disk,
+    "param_init_fn_changes_a_shape": lambda c: FSDP(
+        nn.Linear(2, 2, device="meta"),
+        param_init_fn=lambda m: setattr(m, "weight", nn.Parameter(torch.zeros(3, 3))),
+    ),
     # a process group stand-in (construct.py Note [Stand-in process groups])
     "stand_in_with_sync_module_states": lambda c: FSDP(
         c.mlp(), process_group=StandIn(0, 2), sync_module_states=True

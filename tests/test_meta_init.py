@@ -100,3 +100,55 @@ def test_meta_init_peak_is_the_shards_plus_one_unit_not_the_model(tmp_path):
             f"one unit {m['unit']} B, whole model {m['model']} B"
         )
         assert extra <= m["unit"], f"rank {rank}: {extra} bytes beyond the shards: {m}"
+
+
+def _to_empty_then_reset(module: nn.Module) -> None:
+    """The param_init_fn torch's meta-device examples use: allocate with ``to_empty`` (new
+    storage in each parameter), then initialize, with a fixed seed so both wrappers agree."""
+    if any(t.is_meta for t in (*module.parameters(False), *module.buffers(False))):
+        module.to_empty(device=torch.device("cpu"), recurse=False)
+        torch.manual_seed(sum(p.numel() for p in module.parameters(False)))
+        module.reset_parameters()
+
+
+def _reallocating_init_rank(rank: int, world_size: int, strategy_name: str) -> None:
+    """An init function that re-allocates (to_empty): fsdp_lite kept uninitialized memory in
+    its buffers (torch's test_simple_model_with_meta_device_reset_params found it); the full
+    parameters after wrapping and after two SGD steps must be bitwise torch FSDP1's."""
+    import torch.distributed.fsdp as native
+
+    results = []
+    for cls, strategy in (
+        (FSDP, ShardingStrategy[strategy_name]),
+        (native.FullyShardedDataParallel, native.ShardingStrategy[strategy_name]),
+    ):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 3))
+        wrapped = cls(
+            model,
+            sharding_strategy=strategy,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            param_init_fn=_to_empty_then_reset,
+            device_id=torch.device("cpu"),
+        )
+        optim = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        torch.manual_seed(1 + rank)
+        seen = []
+        for step in range(3):
+            with cls.summon_full_params(wrapped):
+                seen.append([p.detach().clone() for p in wrapped.parameters()])
+            if step < 2:
+                wrapped(torch.randn(4, 6)).square().sum().backward()
+                optim.step()
+                optim.zero_grad()
+        results.append(seen)
+    ours, theirs = results
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), f"step {step}: {(x - y).abs().max():.3e} off torch FSDP1"
+
+
+@pytest.mark.parametrize("strategy_name", ["FULL_SHARD", "NO_SHARD"])
+def test_reallocating_param_init_fn_as_torch_fsdp1(tmp_path, strategy_name):
+    run_ranks(_reallocating_init_rank, 2, tmp_path, args=(strategy_name,), timeout=120)

@@ -838,20 +838,43 @@ def _materialize(
     """Allocate and initialize this unit's meta-device params and buffers, just before sharding.
 
     Units are built children first, so only one unit is ever unsharded in memory: the model is
-    never whole on one rank. Each param is allocated inside the padded unsharded buffer its
-    ShardedParam will use (returned, param -> buffer), so the unit exists once, not twice. A tied
-    parameter gets one tensor for all its places (``to_empty`` would untie it).
-    ``param_init_fn(module)`` initializes, else ``module.reset_parameters()``; with
-    ``sync_module_states`` rank 0's values are then broadcast.
+    never whole on one rank. Each param lives inside the padded unsharded buffer its
+    ShardedParam will use (returned, param -> buffer). A tied parameter gets one tensor for all
+    its places (``to_empty`` would untie it).
+
+    Without ``param_init_fn``, params are allocated in their buffers and each module's
+    ``reset_parameters()`` initializes them there: the unit exists once, not twice. A
+    ``param_init_fn(module)`` is first called as torch FSDP1 calls it, on each module that holds
+    meta tensors while it still does (torch's examples test ``is_meta`` and allocate with
+    ``to_empty``); what it made is copied into the buffers. A module it left on the meta device
+    (an init function that only initializes) gets its tensors allocated in the buffers and is
+    passed to ``param_init_fn`` again. With ``sync_module_states`` rank 0's values are then
+    broadcast.
+
+    Raises:
+        ValueError: ``param_init_fn`` gave a parameter another shape.
     """
     touched = [m for m in own_modules if _has_meta([m])]
+    again = touched  # the modules to initialize once their tensors are allocated here
+    if config.param_init_fn is not None:
+        with torch.no_grad():
+            for m in touched:
+                config.param_init_fn(m)
+        again = [m for m in touched if _has_meta([m])]
     real_locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     real_names: dict[nn.Parameter, str] = {}
     buffers: dict[nn.Parameter, torch.Tensor] = {}
     world_size = config.group.size()
     for param, where in locations.items():
         real = param
+        # What the init function left in the parameter's (first) place, or the meta param.
+        made = where[0][0]._parameters[where[0][1]]
         if param.is_meta:
+            if not made.is_meta and made.shape != param.shape:
+                raise ValueError(
+                    f"param_init_fn gave parameter {clean_name(names[param])!r} the shape "
+                    f"{tuple(made.shape)}; it must keep its shape {tuple(param.shape)}"
+                )
             # Materialized inside its unsharded buffer, which ShardedParam keeps, when that is
             # in the param's own dtype; under a param_dtype it gets a buffer of that dtype.
             compute_dtype = config.precision.param_dtype or param.dtype
@@ -868,6 +891,9 @@ def _materialize(
             else:
                 buffer = None
                 data = torch.empty(shape, dtype=param.dtype, device=config.device)
+            if not made.is_meta:  # made by param_init_fn: its values
+                with torch.no_grad():
+                    data.copy_(made._local_tensor if isinstance(made, DTensor) else made)
             if isinstance(param, DTensor):
                 data = with_local(param, data)  # its TP layout, around the real local tensor
             real = nn.Parameter(data, requires_grad=param.requires_grad)
@@ -881,7 +907,7 @@ def _materialize(
             if buf is not None and buf.is_meta:
                 m._buffers[name] = torch.empty_like(buf, device=config.device)
     with torch.no_grad():
-        for m in touched:
+        for m in again:
             if config.param_init_fn is not None:
                 config.param_init_fn(m)
             elif hasattr(m, "reset_parameters"):

@@ -77,9 +77,10 @@ class FullyShardedModule(nn.Module):
         mixed_precision: dtypes for the unsharded params, gradient reduction and buffers
             (torch FSDP1 semantics).
         ignored_modules: submodules whose parameters are left alone (not sharded, not reduced).
-        param_init_fn: for a module on the meta device: called on each of its submodules
-            that hold meta tensors, once they are allocated on the compute device, one unit at a
-            time (default: their ``reset_parameters()``).
+        param_init_fn: for a module on the meta device: called, one unit at a time, on each
+            submodule that holds meta tensors while it does, as torch FSDP1 calls it (it may
+            allocate them, with ``to_empty``); one it leaves on meta is allocated and passed
+            again (default: their ``reset_parameters()``).
         device_id: the compute device; the module is moved there first.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         forward_prefetch: start the next unit's all-gather at the start of this unit's forward.
