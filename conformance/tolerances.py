@@ -169,10 +169,13 @@ TABLE: list[Rule] = [
         "fp32",
         "ddp",
         "muon, clip_grad_norm",
-        {"state_dict": Tolerance(rtol=5e-3)},
-        "as AdamW's row, in the fresh AdamW's first step after the reload (the parameters "
-        "outside Muon: measured 1.7e-3 on a LayerNorm bias, fsdp_lite); Muon's own matrices stay "
-        "within the clip_grad_norm row (7.3e-8). torch FSDP2 + torch.optim.Muon: 4.7e-3 params",
+        {"params": Tolerance(rtol=3e-4), "state_dict": Tolerance(rtol=5e-3)},
+        "as AdamW's row: the parameters outside Muon (biases, LayerNorms, embeddings) step with "
+        "AdamW, whose first steps amplify the clip coefficient's ulps (measured 5.1e-5 relative "
+        "on blocks.1.qkv.bias at step 3 on an Intel Xeon machine, 2026-12-06; on the machine of "
+        "2026-12-03 it stayed under 5e-6), and the fresh AdamW's first step after the reload "
+        "(1.7e-3 on a LayerNorm bias, fsdp_lite); Muon's own matrices stay within the "
+        "clip_grad_norm row (7.3e-8). torch FSDP2 + torch.optim.Muon: 4.7e-3 params",
     ),
     # ---- against one process on the global batch: never the same arithmetic ----
     Rule(
