@@ -731,7 +731,7 @@ def _median(values: list[float]) -> str:
     ordered = sorted(values)
     mid = len(ordered) // 2
     value = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return f"{value:.1f}" if isinstance(value, float) else str(value)
+    return f"{value:.1f}" if isinstance(value, float) and not value.is_integer() else f"{value:g}"
 
 
 def report_markdown(doc, results, reasons: dict[str, str]) -> str:

@@ -36,7 +36,7 @@ def parse(argv):
         default="quick,default",
         help="stages to judge, in order, of " + ",".join(s.name for s in mutants.STAGES),
     )
-    p.add_argument("--limit", type=int, help="judge at most this many mutants per stage this run")
+    p.add_argument("--limit", type=int, help="launch at most this many mutants in this run")
     p.add_argument(
         "--batch", type=int, default=8, help="mutants per launch at --quick (default 8; else 2)"
     )
