@@ -20,7 +20,7 @@ from conformance.adapters.deepspeed import (
     deepspeed_unsupported_reason,
     ds_config,
 )
-from conformance.matrix import EXTRA_FEATURES, FEATURES, Case, build_matrix
+from conformance.matrix import EXTRA_FEATURES, FEATURES, RANKS_FEATURES, Case, build_matrix
 from conformance.training import LR, MOMENTUM, make_sgd
 from tests.ranks import run_ranks
 
@@ -138,7 +138,7 @@ def test_every_case_of_the_deepspeed_matrix_is_run_or_declined_with_a_reason():
         known_features={"deepspeed": adapter.features()},
     )
     assert {c.strategy for c in cases} == set(STAGE_OF)
-    assert {c.feature for c in cases} == set(FEATURES)
+    assert {c.feature for c in cases} == set(FEATURES) - set(RANKS_FEATURES)  # hpZ: 4+ ranks
     run = [c for c in cases if adapter.unsupported_reason(c) is None]
     # Every stage trains plainly in fp32 and bf16.
     assert {(c.strategy, c.precision) for c in run if c.feature == "plain"} == {
