@@ -101,6 +101,15 @@ def _sample(package: Path, lines: list[int], operator: str) -> list[dict]:
     ]
 
 
+def _named(package: Path, *picks: tuple[int, str], unique: bool = True) -> list[dict]:
+    """The toy's mutants at (line, operator) picks, each named after its line (the fake ranks
+    find their script by it), with its position too where ``unique``."""
+    sample = [m for line, op in picks for m in _sample(package, [line], op)]
+    for i, m in enumerate(sample):
+        m["name"] = f"line{m['line']}-{i}" if unique else f"line{m['line']}"
+    return sample
+
+
 class FakeRanks:
     """Stands in for the ranks: reads the plan, writes the events a rank 0 would, by a script
     keyed on the mutated line (kill / import / die / pass)."""
@@ -164,13 +173,13 @@ def test_a_stage_judges_each_mutant_once_on_the_cases_reaching_it_and_a_rerun_re
     package = _package(tmp_path)
     stage = Stage("default", 2, False, only=(CASE, OTHER))
     monkeypatch.setattr(mutants, "STAGES", (stage,))
-    # the mutant's copy is named after its line: the fake ranks find their script by it
-    sample = _sample(package, [7], "core/AddNot")
-    sample += _sample(package, [9], "core/ReplaceBinaryOperator_Mul_Add")
-    sample += _sample(package, [13], "core/ReplaceBinaryOperator_Sub_Add")
-    sample += _sample(package, [9], "core/ReplaceBinaryOperator_Mul_Sub")
-    for i, m in enumerate(sample):
-        m["name"] = f"line{m['line']}-{i}"
+    sample = _named(
+        package,
+        (7, "core/AddNot"),
+        (9, "core/ReplaceBinaryOperator_Mul_Add"),
+        (13, "core/ReplaceBinaryOperator_Sub_Add"),
+        (9, "core/ReplaceBinaryOperator_Mul_Sub"),
+    )
     assert [m["line"] for m in sample] == [7, 9, 13, 9]
     ranks = FakeRanks({7: "kill", 9: "die", 13: "pass"})
     judge = _judge(tmp_path, package, ranks, stage)
@@ -215,10 +224,9 @@ def test_a_mutant_killed_at_one_stage_is_not_judged_at_the_next(tmp_path, monkey
     first = Stage("quick", 2, True, only=(CASE, OTHER))
     second = Stage("default", 2, False, only=(CASE, OTHER), after=("quick",))
     monkeypatch.setattr(mutants, "STAGES", (first, second))
-    sample = _sample(package, [7], "core/AddNot")
-    sample += _sample(package, [9], "core/ReplaceBinaryOperator_Mul_Add")
-    for m in sample:
-        m["name"] = f"line{m['line']}"
+    sample = _named(
+        package, (7, "core/AddNot"), (9, "core/ReplaceBinaryOperator_Mul_Add"), unique=False
+    )
     ranks = FakeRanks({7: "kill", 9: "pass"})
     judge = _judge(tmp_path, package, ranks, first)
     shutil.copy(
@@ -302,10 +310,7 @@ def test_a_mutant_shown_equivalent_is_judged_no_further_and_left_out_of_the_scor
     package = _package(tmp_path)
     stage = Stage("default", 2, False, only=(CASE, OTHER))
     monkeypatch.setattr(mutants, "STAGES", (stage,))
-    sample = _sample(package, [7], "core/AddNot")
-    sample += _sample(package, [9], "core/ReplaceBinaryOperator_Mul_Add")
-    for i, m in enumerate(sample):
-        m["name"] = f"line{m['line']}-{i}"
+    sample = _named(package, (7, "core/AddNot"), (9, "core/ReplaceBinaryOperator_Mul_Add"))
     ranks = FakeRanks({7: "kill", 9: "pass"})
     judge = _judge(tmp_path, package, ranks, stage)
     judge.equivalent = frozenset({sample[1]["id"]})

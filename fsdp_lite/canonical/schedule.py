@@ -14,7 +14,7 @@ import torch
 
 from fsdp_lite.engine import canonical
 
-__all__ = ["SCHEDULES", "leaf_values", "micro_batches"]
+__all__ = ["SCHEDULES", "micro_batches", "tree_mean"]
 
 SCHEDULES = {
     # leaves r, r + N, r + 2N, ...: one reduction per micro-batch; no gradient kept unsharded
@@ -46,7 +46,7 @@ def micro_batches(
     return out
 
 
-def leaf_values(ranks: Sequence[Sequence[float]], virtual_batches: int, schedule: str) -> list:
+def _leaf_values(ranks: Sequence[Sequence[float]], virtual_batches: int, schedule: str) -> list:
     """Every rank's per-micro-batch values (rank r's in its micro-batch order) as V tensors in
     leaf order."""
     world = len(ranks)
@@ -61,4 +61,4 @@ def leaf_values(ranks: Sequence[Sequence[float]], virtual_batches: int, schedule
 
 def tree_mean(ranks: Sequence[Sequence[float]], virtual_batches: int, schedule: str):
     """The tree sum over all V leaves, / V: the global batch's mean of a per-micro-batch value."""
-    return canonical.tree_sum(leaf_values(ranks, virtual_batches, schedule)) / virtual_batches
+    return canonical.tree_sum(_leaf_values(ranks, virtual_batches, schedule)) / virtual_batches

@@ -18,7 +18,15 @@ import torch.distributed as dist
 from fsdp_lite.engine.observe import Collective, Observer
 from fsdp_lite.optim.matrix_layout import Layout
 
-__all__ = ["Bucket", "InFlight", "issue_gather", "issue_scatter", "split", "unpack", "wait"]
+__all__ = [
+    "Bucket",
+    "InFlight",
+    "gathered_wholes",
+    "issue_gather",
+    "issue_scatter",
+    "scattered_pieces",
+    "split",
+]
 
 
 @dataclass
@@ -91,8 +99,8 @@ def issue_gather(
 
 def gathered_wholes(bucket: Bucket, observers: Sequence[Observer]) -> dict[int, torch.Tensor]:
     """Wait for the bucket's gather; each owned matrix whole, by its position in the bucket."""
-    received, splits = wait(bucket.gather, observers)
-    return unpack(received, splits, bucket.owned, bucket.layouts, transposed=True)
+    received, splits = _wait(bucket.gather, observers)
+    return _unpack(received, splits, bucket.owned, bucket.layouts, transposed=True)
 
 
 def issue_scatter(
@@ -110,8 +118,10 @@ def issue_scatter(
 
 def scattered_pieces(bucket: Bucket, observers: Sequence[Observer]) -> list[torch.Tensor]:
     """Wait for the bucket's scatter; this rank's piece of each result, in bucket order."""
-    received, splits = wait(bucket.scatter, observers)
-    mine = unpack(received, splits, bucket.by_owner, bucket.layouts, transposed=False, me=bucket.me)
+    received, splits = _wait(bucket.scatter, observers)
+    mine = _unpack(
+        received, splits, bucket.by_owner, bucket.layouts, transposed=False, me=bucket.me
+    )
     return [mine[k].to(bucket.home) for k in range(len(bucket.layouts))]
 
 
@@ -128,7 +138,7 @@ def _all_to_all(phase, bucket, send, send_splits, recv_splits, observers) -> InF
     return InFlight(op, work, send, received, recv_splits)
 
 
-def wait(flight: InFlight | None, observers: Sequence[Observer]) -> tuple[torch.Tensor, list[int]]:
+def _wait(flight: InFlight | None, observers: Sequence[Observer]) -> tuple[torch.Tensor, list[int]]:
     assert flight is not None
     flight.work.wait()
     for observer in observers:
@@ -148,7 +158,7 @@ def _cat(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) 
     return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
 
 
-def unpack(received, splits, who, layouts, *, transposed: bool, me: int = 0) -> dict:
+def _unpack(received, splits, who, layouts, *, transposed: bool, me: int = 0) -> dict:
     """Cut a received buffer into its pieces.
 
     transposed (the gather, on an owner): the buffer is source by source, each source's rows of
